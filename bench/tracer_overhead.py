@@ -1,0 +1,85 @@
+"""Cost of one span: crosstrace vs. the OpenTelemetry SDK, measured in the same run.
+
+Each span is `with tracer.start_as_current_span("op", attributes={"a": i, "b": "x"})`.
+crosstrace exports for real, in the background, to a collector process; the SDK runs
+a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Rounds
+alternate between the two so that machine noise hits both alike; the medians are
+compared. Target: ratio <= 0.10, and <= 500 bytes per queued span.
+
+    python bench/tracer_overhead.py [--spans N] [--rounds R]
+"""
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+import tracemalloc
+
+from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+import crosstrace
+from crosstrace.launch import CollectorProcess
+
+
+class NoopExporter(SpanExporter):
+    def export(self, spans):
+        return SpanExportResult.SUCCESS
+
+
+def per_span_us(tracer, n: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(n):
+        with tracer.start_as_current_span("op", attributes={"a": i, "b": "x"}):
+            pass
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def queued_bytes_per_span(n: int = 20000) -> float:
+    """Memory held per span while it waits in the export queue (export switched off)."""
+    provider = crosstrace.TracerProvider(node_id="mem", disabled=True, max_queue=n + 1)
+    tracer = provider.get_tracer("bench")
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(n):
+        with tracer.start_as_current_span("op", attributes={"a": i, "b": "x"}):
+            pass
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(provider._queue.queue) == n
+    return (after - before) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spans", type=int, default=50000, help="spans per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(f"{tmp}/bench.db") as collector:
+        ours = crosstrace.TracerProvider(endpoint=collector.address, node_id="bench")
+        sdk = SdkProvider()
+        sdk.add_span_processor(BatchSpanProcessor(NoopExporter()))
+        tracers = {"crosstrace": ours.get_tracer("bench"), "otel-sdk": sdk.get_tracer("bench")}
+        for tracer in tracers.values():
+            per_span_us(tracer, 2000)  # warm up
+        times = {name: [] for name in tracers}
+        for _ in range(args.rounds):
+            for name, tracer in tracers.items():
+                times[name].append(per_span_us(tracer, args.spans))
+        flushed = ours.force_flush(60_000)
+        ours.shutdown()
+        sdk.shutdown()
+    ct, otel = statistics.median(times["crosstrace"]), statistics.median(times["otel-sdk"])
+    print(f"spans per round: {args.spans}, rounds: {args.rounds}")
+    print(f"crosstrace (exporting to a collector): {ct:6.2f} us/span  (rounds: "
+          + ", ".join(f"{t:.2f}" for t in times["crosstrace"]) + ")")
+    print(f"opentelemetry-sdk (no-op exporter):    {otel:6.2f} us/span  (rounds: "
+          + ", ".join(f"{t:.2f}" for t in times["otel-sdk"]) + ")")
+    print(f"ratio crosstrace/sdk: {ct / otel:.3f}   (target <= 0.10)")
+    print(f"all spans acked by the collector: {flushed}, dropped: {ours.dropped_spans}")
+    print(f"memory per queued span: {queued_bytes_per_span():.0f} bytes   (target <= 500)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Numpy views of a SpanBatch's columns, and subsets of a batch.
+
+The same columnar SpanBatch is the wire format and the on-disk segment format, so
+ingest and read both go through these views.
+"""
+import json
+
+import numpy as np
+
+from ..proto import pb
+
+# (field, dtype): one fixed-width little-endian value per span.
+COLUMNS = (
+    ("trace_id_hi", np.dtype("<u8")),
+    ("trace_id_lo", np.dtype("<u8")),
+    ("span_id", np.dtype("<u8")),
+    ("parent_span_id", np.dtype("<u8")),
+    ("start_ns", np.dtype("<i8")),
+    ("end_ns", np.dtype("<i8")),
+    ("kind", np.dtype("u1")),
+    ("status", np.dtype("u1")),
+    ("name", np.dtype("<u4")),
+    ("thread", np.dtype("<u8")),
+)
+
+
+class BadBatch(ValueError):
+    """The batch as a whole cannot be read; the message says why."""
+
+
+def view(batch: "pb.SpanBatch") -> dict[str, np.ndarray]:
+    """Zero-copy arrays over the span columns; BadBatch when a column's size is off."""
+    n = batch.count
+    out = {}
+    for field, dtype in COLUMNS:
+        raw = getattr(batch, field)
+        if len(raw) != n * dtype.itemsize:
+            raise BadBatch(f"column {field} has {len(raw)} bytes; expected {dtype.itemsize} per span "
+                           f"x count={n} = {n * dtype.itemsize}")
+        out[field] = np.frombuffer(raw, dtype=dtype)
+    return out
+
+
+def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
+    """(attributes per span, extras by span index); BadBatch when they do not fit the batch."""
+    n = batch.count
+    if batch.attributes_json:
+        try:
+            attributes = json.loads(batch.attributes_json)
+        except ValueError as exc:
+            raise BadBatch(f"attributes_json is not valid JSON: {exc}") from None
+        if not isinstance(attributes, list) or len(attributes) != n:
+            raise BadBatch(f"attributes_json must be a JSON array of count={n} entries")
+        if not all(a is None or type(a) is dict for a in attributes):
+            raise BadBatch("attributes_json entries must be objects or null")
+    else:
+        attributes = [None] * n
+    extras: dict[int, dict] = {}
+    if batch.extras_json:
+        try:
+            rows = json.loads(batch.extras_json)
+            for index, extra in rows:
+                if type(index) is not int or not 0 <= index < n or type(extra) is not dict:
+                    raise ValueError(f"entry for span {index!r}")
+                extras[index] = extra
+        except (ValueError, TypeError) as exc:
+            raise BadBatch(f"extras_json must be a JSON array of [span_index, object]: {exc}") from None
+    return attributes, extras
+
+
+def take(batch: "pb.SpanBatch", cols: dict[str, np.ndarray], keep: np.ndarray,
+         attributes: list, extras: dict[int, dict]) -> "pb.SpanBatch":
+    """A segment holding only the spans where `keep` is True (resource and clock samples dropped)."""
+    out = pb.SpanBatch(count=int(keep.sum()))
+    for field, _ in COLUMNS:
+        setattr(out, field, cols[field][keep].tobytes())
+    out.strings.extend(batch.strings)
+    index = np.flatnonzero(keep)
+    out.attributes_json = json.dumps([attributes[i] for i in index], separators=(",", ":"))
+    remap = {int(old): new for new, old in enumerate(index)}
+    kept = [[remap[i], extra] for i, extra in extras.items() if i in remap]
+    out.extras_json = json.dumps(kept, separators=(",", ":")) if kept else ""
+    return out

@@ -1,0 +1,76 @@
+"""Decode and check one incoming batch before it reaches the store.
+
+A batch that cannot be read as a whole (undecodable, inconsistent columns, bad JSON,
+no node id) raises BadBatch, which the server turns into INVALID_ARGUMENT. Spans that
+are bad on their own are rejected one by one and counted by reason; the rest of the
+batch goes on to be stored.
+"""
+import collections
+import dataclasses
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from ..proto import pb
+from .columns import BadBatch, parse_json_columns, view
+
+MAX_SPANS_PER_BATCH = 1 << 20
+# Local monotonic clocks count from boot; anything beyond ~146 years is garbage.
+MAX_ABS_TIMESTAMP_NS = 1 << 62
+MAX_DURATION_NS = 30 * 24 * 3600 * 10**9
+MAX_KIND = max(pb.SpanKind.values())
+MAX_STATUS = 2
+
+
+class TooLarge(BadBatch):
+    """The batch holds more spans than one batch may (RESOURCE_EXHAUSTED)."""
+
+
+@dataclasses.dataclass
+class CheckedBatch:
+    batch: "pb.SpanBatch"
+    cols: dict[str, np.ndarray]
+    keep: np.ndarray                  # spans that passed every check
+    attributes: list
+    extras: dict[int, dict]
+    rejected: collections.Counter     # reason -> spans
+
+    @property
+    def node_id(self) -> str:
+        return self.batch.resource.node_id
+
+
+def decode(data: bytes) -> "pb.SpanBatch":
+    try:
+        return pb.SpanBatch.FromString(data)
+    except DecodeError as exc:
+        raise BadBatch(f"undecodable SpanBatch ({len(data)} bytes): {exc}") from None
+
+
+def check(batch: "pb.SpanBatch") -> CheckedBatch:
+    if not batch.resource.node_id:
+        raise BadBatch(f"batch seq={batch.seq}: resource.node_id is empty")
+    if batch.count > MAX_SPANS_PER_BATCH:
+        raise TooLarge(f"batch seq={batch.seq} holds {batch.count} spans; at most {MAX_SPANS_PER_BATCH} per batch")
+    cols = view(batch)
+    attributes, extras = parse_json_columns(batch)
+    start, end = cols["start_ns"], cols["end_ns"]
+    reasons = (
+        ("invalid_trace_id", (cols["trace_id_hi"] == 0) & (cols["trace_id_lo"] == 0)),
+        ("invalid_span_id", cols["span_id"] == 0),
+        ("absurd_timestamp", (np.abs(start) > MAX_ABS_TIMESTAMP_NS) | (np.abs(end) > MAX_ABS_TIMESTAMP_NS)),
+        ("end_before_start", end < start),
+        ("absurd_duration", (end - start) > MAX_DURATION_NS),
+        ("unknown_kind", cols["kind"] > MAX_KIND),
+        ("unknown_status", cols["status"] > MAX_STATUS),
+        ("bad_name_index", cols["name"] >= len(batch.strings)),
+    )
+    keep = np.ones(batch.count, dtype=bool)
+    rejected = collections.Counter()
+    for reason, bad in reasons:
+        bad = bad & keep  # count each span under its first reason only
+        n = int(bad.sum())
+        if n:
+            rejected[reason] += n
+            keep &= ~bad
+    return CheckedBatch(batch, cols, keep, attributes, extras, rejected)

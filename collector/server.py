@@ -1,0 +1,179 @@
+"""The collector's gRPC server: span export with acks, clock exchange.
+
+Requests arrive as raw bytes and are decoded here, so that garbage from a client
+becomes a clear INVALID_ARGUMENT for that client instead of an opaque error, and never
+touches other clients. One writer thread commits the batches of all streams in
+groups (one SQLite transaction per group); a batch is acked only after its commit.
+"""
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from ..proto import pb
+from .columns import BadBatch
+from .ingest import TooLarge, check, decode
+from .store import Store
+
+log = logging.getLogger("crosstrace.collector")
+
+SERVICE = "crosstrace.v1.Collector"
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class Writer:
+    """Single writer thread with group commit: whatever batches are waiting when a
+    transaction starts go into it together."""
+
+    def __init__(self, store: Store, max_group: int = 64):
+        self.store = store
+        self.max_group = max_group
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="crosstrace-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, checked) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self._queue.put((checked, future))
+        return future
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            group = [item]
+            while len(group) < self.max_group:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                group.append(item)
+            try:
+                results = self.store.write([checked for checked, _ in group])
+            except Exception as exc:  # a failed commit fails those batches; the writer goes on
+                log.exception("store write failed")
+                for _, future in group:
+                    future.set_exception(exc)
+                continue
+            for (_, future), result in zip(group, results):
+                future.set_result(result)
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.spans = 0
+        self.duplicates = 0
+        self.rejected: collections.Counter = collections.Counter()
+        self.nodes: set[str] = set()
+
+
+class CollectorService:
+    def __init__(self, store: Store):
+        self.store = store
+        self.writer = Writer(store)
+        self.stats = Stats()
+
+    def export(self, request_iterator, context):
+        for data in request_iterator:
+            try:
+                checked = check(decode(data))
+            except BadBatch as exc:
+                reason = "batch_too_large" if isinstance(exc, TooLarge) else "malformed_batch"
+                self._count_whole_reject(reason)
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, TooLarge) else grpc.StatusCode.INVALID_ARGUMENT
+                context.abort(code, str(exc))
+            try:
+                result = self.writer.submit(checked).result()
+            except Exception as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"store write failed: {exc}")
+            with self.stats.lock:
+                self.stats.spans += result.accepted
+                self.stats.duplicates += result.duplicates
+                self.stats.rejected.update(checked.rejected)
+                self.stats.nodes.add(checked.node_id)
+            yield pb.ExportAck(seq=checked.batch.seq, accepted=result.accepted, duplicates=result.duplicates,
+                               rejected=dict(checked.rejected))
+
+    def exchange_clock(self, data: bytes, context):
+        t2 = time.monotonic_ns()
+        try:
+            probe = pb.ClockProbe.FromString(data)
+        except Exception as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ClockProbe: {exc}")
+        return pb.ClockProbeReply(t1=probe.t1, t2=t2, t3=time.monotonic_ns()).SerializeToString()
+
+    def _count_whole_reject(self, reason: str) -> None:
+        with self.stats.lock:
+            self.stats.rejected[reason] += 1
+        try:
+            self.store.record_rejects(collections.Counter({reason: 1}))
+        except Exception:
+            log.exception("could not record a rejected batch")
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Export": grpc.stream_stream_rpc_method_handler(
+                self.export, request_deserializer=None, response_serializer=pb.ExportAck.SerializeToString),
+            "ExchangeClock": grpc.unary_unary_rpc_method_handler(
+                self.exchange_clock, request_deserializer=None, response_serializer=None),
+        })
+
+
+class Collector:
+    """A running collector: gRPC server + store. `port` is the bound port."""
+
+    def __init__(self, store_path: str, listen: str = "127.0.0.1:4327", max_streams: int = 256,
+                 sync: str = "normal"):
+        self.store = Store(store_path, sync=sync)
+        self.service = CollectorService(self.store)
+        self.server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="crosstrace-rpc"),
+            handlers=[self.service.handler()],
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=max_streams,
+        )
+        try:
+            self.port = self.server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            self.store.close()
+            raise OSError(f"cannot listen on {listen}: {exc}") from None
+        host = listen.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+        self._stopped = threading.Event()
+
+    def start(self) -> "Collector":
+        self.server.start()
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop taking RPCs, let in-flight commits finish, close the store."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.server.stop(grace).wait(grace + 1)
+        self.service.writer.close()
+        self.store.close()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

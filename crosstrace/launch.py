@@ -1,0 +1,73 @@
+"""Start a collector in a child process (demo, tests, benchmarks) and stop it cleanly."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+_LISTENING = re.compile(r"listening on (\S+),")
+
+
+class CollectorProcess:
+    """`crosstrace collector` as a child process; `address` is where tracers connect."""
+
+    def __init__(self, store: str, listen: str = "127.0.0.1:0", extra_args: tuple = (),
+                 timeout_s: float = 30.0, env: dict | None = None):
+        self.store = store
+        cmd = [sys.executable, "-m", "crosstrace", "collector", "--listen", listen, "--store", store,
+               "--quiet", *extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.address = self._wait_listening(timeout_s)
+        self.port = int(self.address.rsplit(":", 1)[1])
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_listening(self, timeout_s: float) -> str:
+        timer = threading.Timer(timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                match = _LISTENING.search(line)
+                if match:
+                    return match.group(1)
+        finally:
+            timer.cancel()
+        err = self.proc.stderr.read()
+        raise RuntimeError(f"collector did not start (exit {self.proc.poll()}): {err.strip()}")
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)
+
+    def __enter__(self) -> "CollectorProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

@@ -1,0 +1,67 @@
+"""Span kinds and attribute keys shared by tracer and collector.
+
+The collector joins spans across ranks and nodes by these keys, so they are part
+of the wire contract, like the .proto file.
+"""
+from enum import IntEnum
+
+
+class Kind(IntEnum):
+    """Mirrors crosstrace.v1.SpanKind."""
+    INTERNAL = 0
+    COMPUTE = 1
+    COLLECTIVE = 2
+    SEND = 3
+    RECV = 4
+    RPC_CLIENT = 5
+    RPC_SERVER = 6
+    DATA = 7
+
+
+class Status(IntEnum):
+    UNSET = 0
+    OK = 1
+    ERROR = 2
+
+
+# Overrides the span kind when set on a plain OpenTelemetry span ("compute", "data", ...).
+KIND = "crosstrace.kind"
+
+# Training steps: the trace id of step k is derived from (job_id, k) on every rank.
+STEP = "crosstrace.step"
+JOB_ID = "crosstrace.job_id"
+
+# Collectives: the same collective has the same (group, seq) on every rank.
+COLL_GROUP = "collective.group"
+COLL_SEQ = "collective.seq"
+COLL_OP = "collective.op"
+COLL_BYTES = "collective.bytes"
+COLL_RANKS = "collective.ranks"
+COLL_ASYNC = "collective.async"
+
+# Point-to-point: a send and its receive share (src, dst, tag, seq).
+P2P_SRC = "p2p.src"
+P2P_DST = "p2p.dst"
+P2P_TAG = "p2p.tag"
+P2P_SEQ = "p2p.seq"
+P2P_BYTES = "p2p.bytes"
+
+# DDP gradient buckets (collective spans issued by the DDP comm hook).
+DDP_BUCKET = "ddp.bucket"
+DDP_PARAMS = "ddp.params"
+DDP_READY_NS = "ddp.ready_ns"
+
+# Pipeline parallel (torch.distributed.pipelining).
+PP_STAGE = "pp.stage"
+PP_MICROBATCH = "pp.microbatch"
+PP_ACTION = "pp.action"            # "F", "B" or "W"
+PP_SCHEDULE = "pp.schedule"
+PP_NUM_STAGES = "pp.num_stages"
+PP_NUM_MICROBATCHES = "pp.num_microbatches"
+PP_STAGES_PER_RANK = "pp.stages_per_rank"
+
+# RPCs (OpenTelemetry semantic conventions).
+RPC_SYSTEM = "rpc.system"
+RPC_SERVICE = "rpc.service"
+RPC_METHOD = "rpc.method"
+RPC_GRPC_STATUS = "rpc.grpc.status_code"

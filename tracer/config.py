@@ -1,0 +1,79 @@
+"""Tracer configuration from arguments, then CROSSTRACE_* environment variables, then defaults.
+
+torchrun's RANK, WORLD_SIZE and LOCAL_RANK are picked up when present. A malformed
+environment variable is reported with a warning and its default is used: the tracer
+must never stop the program it traces.
+"""
+import dataclasses
+import os
+import socket
+import warnings
+
+ENV_PREFIX = "CROSSTRACE_"
+
+
+@dataclasses.dataclass
+class Config:
+    endpoint: str = "127.0.0.1:4327"
+    node_id: str = ""            # default: "<host>/rank<RANK>" under torchrun, else "<host>/<pid>"
+    job_id: str = "default"
+    role: str = ""
+    service_name: str = ""
+    rank: int = -1
+    world_size: int = 0
+    local_rank: int = -1
+    max_queue: int = 65536       # spans waiting for export; beyond this they are dropped and counted
+    batch_size: int = 8192       # spans per exported batch
+    export_interval_ms: int = 200
+    max_unacked_mb: int = 64     # batches sent but not yet acked, kept for resending
+    clock_probe_interval_s: float = 10.0
+    clock_probe_burst: int = 8
+    sim_clock_offset_ns: int = 0
+    sim_clock_drift_ppm: float = 0.0
+    sim_clock_epoch_ns: int | None = None
+    exit_flush_timeout_s: float = 5.0
+    disabled: bool = False
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Config":
+        """Arguments win over CROSSTRACE_* variables, which win over the defaults."""
+        cfg = cls()
+        env = os.environ
+        for field in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + field.name.upper())
+            if raw is not None:
+                _set_from_text(cfg, field, raw, ENV_PREFIX + field.name.upper())
+        for name, env_name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
+            if env.get(ENV_PREFIX + name.upper()) is None and env.get(env_name) is not None:
+                _set_from_text(cfg, _FIELDS[name], env[env_name], env_name)
+        if not cfg.service_name:
+            cfg.service_name = env.get("OTEL_SERVICE_NAME", "")
+        for name, value in overrides.items():
+            if name not in _FIELDS:
+                raise TypeError(f"unknown crosstrace option {name!r}; known: {', '.join(sorted(_FIELDS))}")
+            if value is not None:
+                setattr(cfg, name, value)
+        if not cfg.node_id:
+            host = socket.gethostname()
+            cfg.node_id = f"{host}/rank{cfg.rank}" if cfg.rank >= 0 else f"{host}/{os.getpid()}"
+        return cfg
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    try:
+        if kind.startswith("bool"):
+            value = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif kind.startswith("int"):
+            value = int(raw)
+        elif kind.startswith("float"):
+            value = float(raw)
+        else:
+            value = raw
+    except ValueError:
+        warnings.warn(f"crosstrace: ignoring {source}={raw!r}: expected {kind}", RuntimeWarning, stacklevel=3)
+        return
+    setattr(cfg, field.name, value)

@@ -1,0 +1,160 @@
+"""The span record: a slotted object that implements the OpenTelemetry Span API.
+
+Its hot path is two clock reads, a thread id, and an append to the export queue on
+end(). Nothing is copied, validated or encoded here: the exporter thread does that
+for whole batches.
+"""
+import traceback
+import warnings
+
+from opentelemetry import trace as trace_api
+from opentelemetry.trace.status import Status as OtelStatus, StatusCode
+
+from ..proto.semconv import Kind, Status
+
+# get_ident() makes a new int object on every call; interning it saves 36 bytes per
+# queued span. The exporter clears this when it grows (threads come and go).
+THREAD_IDS: dict[int, int] = {}
+_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+_DEFAULT_TRACE_STATE = trace_api.DEFAULT_TRACE_STATE
+
+# OpenTelemetry's kinds onto crosstrace's: a CLIENT span is an RPC client, and so on.
+OTEL_KIND = {
+    trace_api.SpanKind.INTERNAL: Kind.INTERNAL,
+    trace_api.SpanKind.CLIENT: Kind.RPC_CLIENT,
+    trace_api.SpanKind.SERVER: Kind.RPC_SERVER,
+    trace_api.SpanKind.PRODUCER: Kind.SEND,
+    trace_api.SpanKind.CONSUMER: Kind.RECV,
+}
+_STATUS = {StatusCode.UNSET: Status.UNSET, StatusCode.OK: Status.OK, StatusCode.ERROR: Status.ERROR}
+
+
+class Span:
+    """A recording span. Rarely used parts (status, events, links, trace state) live in
+    one optional `SpanExtras`, so that the common span sets few slots.
+
+    Registered as a virtual subclass of opentelemetry.trace.Span rather than inheriting
+    from it: the API class has no __slots__, and a __dict__ would cost every queued span.
+    Only Tracer makes spans, filling the slots itself (an __init__ frame is measurable).
+    """
+
+    __slots__ = ("trace_id", "span_id", "parent_id", "name", "kind", "start", "end_ns", "thread",
+                 "attributes", "extras", "_sink")
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_ns:
+            warnings.warn(f"crosstrace: span {self.name!r} ended twice; the second end() is ignored",
+                          RuntimeWarning, stacklevel=2)
+            return
+        sink = self._sink
+        self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
+        queue = sink.queue
+        if len(queue) < sink.max_queue:
+            queue.append(self)
+            if len(queue) == sink.wake_at:
+                sink.wake()
+        else:
+            sink.dropped += 1
+
+    @property
+    def trace_state(self):
+        return self.extras.trace_state if self.extras is not None else None
+
+    @property
+    def status(self) -> int:
+        return self.extras.status if self.extras is not None else 0
+
+    def _extras(self) -> "SpanExtras":
+        if self.extras is None:
+            self.extras = SpanExtras()
+        return self.extras
+
+    def get_span_context(self) -> trace_api.SpanContext:
+        return trace_api.SpanContext(self.trace_id, self.span_id, False, _SAMPLED,
+                                     self.trace_state or _DEFAULT_TRACE_STATE)
+
+    def set_attribute(self, key: str, value) -> None:
+        if self.end_ns:
+            return
+        if self.attributes is None:
+            self.attributes = {key: value}
+        else:
+            self.attributes[key] = value
+
+    def set_attributes(self, attributes) -> None:
+        if self.end_ns or not attributes:
+            return
+        if self.attributes is None:
+            self.attributes = dict(attributes)
+        else:
+            self.attributes.update(attributes)
+
+    def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
+        if self.end_ns:
+            return
+        clock = self._sink.clock
+        t = clock.now() if timestamp is None else clock.from_epoch_ns(timestamp)
+        self._extras().events.append((name, t, dict(attributes) if attributes else None))
+
+    def add_link(self, context: trace_api.SpanContext, attributes=None) -> None:
+        if self.end_ns or context is None or not context.is_valid:
+            return
+        self._extras().links.append(trace_api.Link(context, dict(attributes) if attributes else None))
+
+    def update_name(self, name: str) -> None:
+        if not self.end_ns:
+            self.name = name
+
+    def is_recording(self) -> bool:
+        return not self.end_ns
+
+    def set_status(self, status, description: str | None = None) -> None:
+        if self.end_ns:
+            return
+        if isinstance(status, OtelStatus):
+            code, description = status.status_code, status.description
+        else:
+            code = status
+        # OpenTelemetry: OK is final, and UNSET never overrides a set status.
+        if self.status == Status.OK or code is StatusCode.UNSET:
+            return
+        extras = self._extras()
+        extras.status = _STATUS[code]
+        if code is StatusCode.ERROR and description:
+            extras.status_message = description
+
+    def record_exception(self, exception: BaseException, attributes=None, timestamp=None,
+                         escaped: bool = False) -> None:
+        event_attributes = {
+            "exception.type": type(exception).__qualname__,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": escaped,
+        }
+        if attributes:
+            event_attributes.update(attributes)
+        self.add_event("exception", event_attributes, timestamp)
+
+    def __enter__(self) -> "Span":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.end()
+
+    def __repr__(self) -> str:
+        return (f"Span({self.name!r}, trace_id={self.trace_id:032x}, span_id={self.span_id:016x}, "
+                f"kind={Kind(self.kind).name})")
+
+
+trace_api.Span.register(Span)
+
+
+class SpanExtras:
+    __slots__ = ("status", "status_message", "events", "links", "trace_state")
+
+    def __init__(self, links=None, trace_state=None):
+        self.status = 0
+        self.status_message = None
+        self.events = []
+        self.links = links or []
+        self.trace_state = trace_state
