@@ -2,6 +2,7 @@
 from opentelemetry import trace as _trace
 
 from .proto.semconv import Kind
+from .tracer.instrument.grpc import instrument_channel, server_interceptor
 from .tracer.provider import Tracer, TracerProvider
 
 __version__ = "0.1.0"
@@ -17,4 +18,4 @@ def init(set_global: bool = True, **options) -> TracerProvider:
     return provider
 
 
-__all__ = ["Kind", "Tracer", "TracerProvider", "init"]
+__all__ = ["Kind", "Tracer", "TracerProvider", "init", "instrument_channel", "server_interceptor"]

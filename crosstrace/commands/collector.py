@@ -4,11 +4,25 @@ import sys
 import threading
 import time
 
-from .collector.server import Collector
+from ..collector.server import Collector
 
 
-def run_collector(listen: str, store: str, sync: str = "normal", quiet: bool = False,
-                  progress_interval_s: float = 10.0) -> int:
+def register(sub) -> None:
+    p = sub.add_parser("collector", help="run a collector: gRPC server + durable store",
+                       description="Receive spans and clock samples from tracers over gRPC and store them "
+                                   "durably (SQLite, WAL). Runs until SIGTERM or Ctrl-C.")
+    p.add_argument("--listen", default="127.0.0.1:4327",
+                   help="host:port to listen on (default %(default)s; port 0 picks a free one)")
+    p.add_argument("--store", required=True, help="path of the store file (created if missing)")
+    p.add_argument("--sync", choices=("normal", "full"), default="normal",
+                   help="normal: an acked batch survives the collector being killed; full: also a "
+                        "power loss (an fsync per commit)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=lambda args: run(args.listen, args.store, sync=args.sync, quiet=args.quiet))
+
+
+def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
+        progress_interval_s: float = 10.0) -> int:
     collector = Collector(store, listen, sync=sync).start()
     stop = threading.Event()
 

@@ -1,0 +1,132 @@
+"""SpanTable: stored spans as columns, one row per span (HTA's columnar tables).
+
+Everything the analysis does is vectorised over these arrays; per-span Python work is
+limited to the attributes of the few span kinds that carry join keys.
+"""
+import dataclasses
+
+import numpy as np
+import orjson
+
+from ..proto import pb
+from ..proto.semconv import Kind
+from .columns import COLUMNS, view
+
+
+@dataclasses.dataclass
+class SpanTable:
+    trace_hi: np.ndarray       # uint64
+    trace_lo: np.ndarray       # uint64
+    span_id: np.ndarray        # uint64
+    parent_id: np.ndarray      # uint64, 0 for roots
+    start: np.ndarray          # int64, the node's local clock
+    end: np.ndarray            # int64
+    kind: np.ndarray           # uint8, proto.semconv.Kind
+    status: np.ndarray         # uint8
+    name: np.ndarray           # int32 index into `names`
+    thread: np.ndarray         # uint64 thread ident
+    node: np.ndarray           # int32 index into `nodes`
+    trace: np.ndarray          # int32 index into `trace_ids`
+    attributes: list           # dict or None per row
+    extras: dict               # row -> {"events", "links", "status_message"}
+    names: list[str]
+    nodes: list[str]           # node_id per node index
+    resources: list            # pb.Resource per node index
+    trace_ids: list[str]       # 32-hex W3C trace id per trace index
+
+    def __len__(self) -> int:
+        return len(self.span_id)
+
+    @property
+    def rank_of_node(self) -> np.ndarray:
+        return np.array([r.rank for r in self.resources], dtype=np.int32)
+
+    @property
+    def rank(self) -> np.ndarray:
+        """Rank of each row's node (-1 outside a distributed job)."""
+        return self.rank_of_node[self.node] if len(self.resources) else np.full(len(self), -1, np.int32)
+
+    def attr(self, key: str, rows=None, default=None) -> list:
+        """One attribute for the given rows (all rows by default), `default` where absent."""
+        attrs = self.attributes
+        idx = range(len(self)) if rows is None else rows
+        return [a.get(key, default) if (a := attrs[i]) is not None else default for i in idx]
+
+    def take(self, rows: np.ndarray) -> "SpanTable":
+        """A table of the given rows (indices or boolean mask), same node and name tables."""
+        rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows)
+        cols = {f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), np.ndarray)}
+        remap = {int(old): new for new, old in enumerate(rows)}
+        extras = {remap[r]: x for r, x in self.extras.items() if r in remap}
+        return SpanTable(**cols, attributes=[self.attributes[i] for i in rows], extras=extras,
+                         names=self.names, nodes=self.nodes, resources=self.resources,
+                         trace_ids=self.trace_ids)
+
+    def is_kind(self, *kinds: Kind) -> np.ndarray:
+        return np.isin(self.kind, np.array([int(k) for k in kinds], dtype=np.uint8))
+
+
+def empty() -> SpanTable:
+    return build([], {})
+
+
+def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.Resource"]) -> SpanTable:
+    """A table from (store node id, segment) pairs, as Store.segments() yields them."""
+    node_index: dict[int, int] = {}
+    names: list[str] = []
+    name_index: dict[str, int] = {}
+    columns: dict[str, list] = {field: [] for field, _ in COLUMNS}
+    node_col, name_col, attributes, extras = [], [], [], {}
+    offset = 0
+    for store_node, seg in segments:
+        cols = view(seg)
+        for field, _ in COLUMNS:
+            columns[field].append(cols[field])
+        local = np.array([name_index.setdefault(s, len(name_index)) for s in seg.strings], dtype=np.int32)
+        name_col.append(local[cols["name"]] if len(local) else np.zeros(seg.count, np.int32))
+        node_col.append(np.full(seg.count, node_index.setdefault(store_node, len(node_index)), np.int32))
+        attributes.extend(orjson.loads(seg.attributes_json) if seg.attributes_json else [None] * seg.count)
+        if seg.extras_json:
+            for i, extra in orjson.loads(seg.extras_json):
+                extras[offset + i] = extra
+        offset += seg.count
+    names = list(name_index)
+
+    def cat(field, dtype):
+        parts = columns[field]
+        return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+    dtypes = dict(COLUMNS)
+    hi, lo = cat("trace_id_hi", dtypes["trace_id_hi"]), cat("trace_id_lo", dtypes["trace_id_lo"])
+    if len(hi):
+        keys, trace = np.unique(np.stack([hi, lo], axis=1), axis=0, return_inverse=True)
+        trace = trace.reshape(-1).astype(np.int32)
+        trace_ids = [f"{h:016x}{l:016x}" for h, l in keys.tolist()]
+    else:
+        trace, trace_ids = np.empty(0, np.int32), []
+    nodes_by_index = sorted(node_index, key=node_index.get)
+    return SpanTable(
+        trace_hi=hi, trace_lo=lo,
+        span_id=cat("span_id", dtypes["span_id"]), parent_id=cat("parent_span_id", dtypes["parent_span_id"]),
+        start=cat("start_ns", dtypes["start_ns"]), end=cat("end_ns", dtypes["end_ns"]),
+        kind=cat("kind", dtypes["kind"]), status=cat("status", dtypes["status"]),
+        name=np.concatenate(name_col) if name_col else np.empty(0, np.int32),
+        thread=cat("thread", dtypes["thread"]),
+        node=np.concatenate(node_col) if node_col else np.empty(0, np.int32),
+        trace=trace, attributes=attributes, extras=extras, names=names,
+        nodes=[resources[n].node_id for n in nodes_by_index],
+        resources=[resources[n] for n in nodes_by_index], trace_ids=trace_ids)
+
+
+def load(store, trace_ids: list[str] | None = None) -> SpanTable:
+    """Spans of the whole store, or of the given traces (32-hex ids)."""
+    keys = None
+    if trace_ids is not None:
+        keys = [(int(t[:16], 16), int(t[16:], 16)) for t in trace_ids]
+    table = build(list(store.segments(keys)), store.nodes())
+    if keys is not None and len(table):
+        wanted = np.zeros(len(table.trace_ids), dtype=bool)
+        wanted[[i for i, t in enumerate(table.trace_ids) if t in set(trace_ids)]] = True
+        table = table.take(wanted[table.trace])
+    return table
