@@ -17,13 +17,13 @@ import time
 import grpc
 
 from ..proto import pb
+from .clock_probe import ClockProber
 from .encode import encode_spans
 from .span import THREAD_IDS
 
 log = logging.getLogger("crosstrace.tracer")
 
 _EXPORT_METHOD = "/crosstrace.v1.Collector/Export"
-_CLOCK_METHOD = "/crosstrace.v1.Collector/ExchangeClock"
 _END = object()
 
 
@@ -76,8 +76,8 @@ class Exporter:
         self._wake = threading.Event()
         self._stopping = False
         self._sent_dropped = -1
-        self._next_probe = 0.0
         self._channel = None
+        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel)
         self._requests = None
         self._backoff_until = 0.0
         self._backoff = 0.1
@@ -124,7 +124,8 @@ class Exporter:
             if len(THREAD_IDS) > 4096:
                 THREAD_IDS.clear()
             try:
-                self._probe_clock_if_due()
+                if not stopping:
+                    self._prober.probe_if_due()
                 self._send_queued()
                 if self._unacked:
                     self._ensure_stream()  # reconnect and resend after a failure
@@ -176,9 +177,7 @@ class Exporter:
             return self._requests
         if time.monotonic() < self._backoff_until:
             return None
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(self.cfg.endpoint, options=_CHANNEL_OPTIONS)
-        export = self._channel.stream_stream(_EXPORT_METHOD, request_serializer=None,
+        export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
                                              response_deserializer=pb.ExportAck.FromString)
         requests = _RequestStream()
         with self._lock:
@@ -189,6 +188,11 @@ class Exporter:
         threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
                          daemon=True).start()
         return requests
+
+    def _get_channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.cfg.endpoint, options=_CHANNEL_OPTIONS)
+        return self._channel
 
     def _read_acks(self, call, requests) -> None:
         try:
@@ -233,28 +237,6 @@ class Exporter:
             requests.close()
         if self._channel is not None:
             self._channel.close()
-
-    # -- clock probes --------------------------------------------------------------------
-
-    def _probe_clock_if_due(self) -> None:
-        now = time.monotonic()
-        if now < self._next_probe or self._stopping:
-            return
-        self._next_probe = now + self.cfg.clock_probe_interval_s
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(self.cfg.endpoint, options=_CHANNEL_OPTIONS)
-        exchange = self._channel.unary_unary(_CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
-                                             response_deserializer=pb.ClockProbeReply.FromString)
-        clock_now, node = self.clock.now, self.cfg.node_id
-        for _ in range(self.cfg.clock_probe_burst):
-            t1 = clock_now()
-            try:
-                reply = exchange(pb.ClockProbe(node_id=node, t1=t1), timeout=1.0)
-            except grpc.RpcError:
-                return
-            t4 = clock_now()
-            self.queue.samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t1, t2=reply.t2,
-                                                     t3=reply.t3, t4=t4, local_ns=t1))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
