@@ -6,6 +6,7 @@ ingest and read both go through these views.
 import json
 
 import numpy as np
+import orjson
 
 from ..proto import pb
 
@@ -22,6 +23,21 @@ COLUMNS = (
     ("name", np.dtype("<u4")),
     ("thread", np.dtype("<u8")),
 )
+
+
+def loads(data: bytes):
+    """orjson, with json's leniency for what other encoders write (NaN, Infinity)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def dumps(value) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # integers beyond 64 bits
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 class BadBatch(ValueError):
@@ -46,7 +62,7 @@ def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
     n = batch.count
     if batch.attributes_json:
         try:
-            attributes = json.loads(batch.attributes_json)
+            attributes = loads(batch.attributes_json)
         except ValueError as exc:
             raise BadBatch(f"attributes_json is not valid JSON: {exc}") from None
         if not isinstance(attributes, list) or len(attributes) != n:
@@ -58,7 +74,7 @@ def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
     extras: dict[int, dict] = {}
     if batch.extras_json:
         try:
-            rows = json.loads(batch.extras_json)
+            rows = loads(batch.extras_json)
             for index, extra in rows:
                 if type(index) is not int or not 0 <= index < n or type(extra) is not dict:
                     raise ValueError(f"entry for span {index!r}")
@@ -76,8 +92,8 @@ def take(batch: "pb.SpanBatch", cols: dict[str, np.ndarray], keep: np.ndarray,
         setattr(out, field, cols[field][keep].tobytes())
     out.strings.extend(batch.strings)
     index = np.flatnonzero(keep)
-    out.attributes_json = json.dumps([attributes[i] for i in index], separators=(",", ":"))
+    out.attributes_json = dumps([attributes[i] for i in index])
     remap = {int(old): new for new, old in enumerate(index)}
     kept = [[remap[i], extra] for i, extra in extras.items() if i in remap]
-    out.extras_json = json.dumps(kept, separators=(",", ":")) if kept else ""
+    out.extras_json = dumps(kept) if kept else b""
     return out

@@ -6,11 +6,10 @@ limited to the attributes of the few span kinds that carry join keys.
 import dataclasses
 
 import numpy as np
-import orjson
 
 from ..proto import pb
 from ..proto.semconv import Kind
-from .columns import COLUMNS, view
+from .columns import COLUMNS, loads, view
 
 
 @dataclasses.dataclass
@@ -86,9 +85,9 @@ def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.R
         local = np.array([name_index.setdefault(s, len(name_index)) for s in seg.strings], dtype=np.int32)
         name_col.append(local[cols["name"]] if len(local) else np.zeros(seg.count, np.int32))
         node_col.append(np.full(seg.count, node_index.setdefault(store_node, len(node_index)), np.int32))
-        attributes.extend(orjson.loads(seg.attributes_json) if seg.attributes_json else [None] * seg.count)
+        attributes.extend(loads(seg.attributes_json) if seg.attributes_json else [None] * seg.count)
         if seg.extras_json:
-            for i, extra in orjson.loads(seg.extras_json):
+            for i, extra in loads(seg.extras_json):
                 extras[offset + i] = extra
         offset += seg.count
     names = list(name_index)

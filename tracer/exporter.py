@@ -208,9 +208,23 @@ class Exporter:
                     self._warn_once("rejected", f"crosstrace: the collector rejected spans: {dict(ack.rejected)}")
                 self._backoff = 0.1
         except grpc.RpcError as err:
-            if not self._stopping:
-                self._warn_once(f"rpc{err.code()}", f"crosstrace: export stream to {self.cfg.endpoint} "
-                                f"failed ({err.code().name}: {err.details()}); will retry")
+            code = err.code()
+            refused = code == grpc.StatusCode.INVALID_ARGUMENT or (
+                code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" not in (err.details() or ""))
+            if refused:
+                # Acks come in order, so the refused batch is the oldest unacked one; resending
+                # it would be refused again.
+                with self._lock:
+                    if self._unacked:
+                        _, (data, n) = self._unacked.popitem(last=False)
+                        self._unacked_bytes -= len(data)
+                        self.dropped += n
+                    self._resolve_waiters()
+                log.error("crosstrace: the collector refused a batch (%s: %s); its spans are dropped",
+                          code.name, err.details())
+            elif not self._stopping:
+                self._warn_once(f"rpc{code}", f"crosstrace: export stream to {self.cfg.endpoint} "
+                                f"failed ({code.name}: {err.details()}); will retry")
         finally:
             requests.close()
             with self._lock:

@@ -4,6 +4,7 @@ Code written against the plain OpenTelemetry API is traced unchanged, either by
 `crosstrace.init()` or with OTEL_PYTHON_TRACER_PROVIDER=crosstrace (entry point).
 """
 import atexit
+import multiprocessing.util as mp_util
 import os
 import random
 import threading
@@ -244,6 +245,9 @@ class TracerProvider(trace_api.TracerProvider):
         me = weakref.ref(self)
         atexit.register(_exit_hook, me)
         os.register_at_fork(after_in_child=lambda: _after_fork(me))
+        # multiprocessing children (DataLoader workers) leave by os._exit, skipping atexit, and
+        # clear finalizers made at fork time; a finalizer made by its after-fork hook does run.
+        mp_util.register_after_fork(self, _flush_on_multiprocessing_exit)
 
     @property
     def node_id(self) -> str:
@@ -286,7 +290,6 @@ class TracerProvider(trace_api.TracerProvider):
         self._queue.reset_after_fork()
         if self._exporter is not None and not self._shutdown:
             self._exporter = self._exporter.restart_after_fork()
-            _flush_on_multiprocessing_exit(self)
 
 
 def _exit_hook(ref) -> None:
@@ -302,10 +305,4 @@ def _after_fork(ref) -> None:
 
 
 def _flush_on_multiprocessing_exit(provider: TracerProvider) -> None:
-    """multiprocessing children (DataLoader workers) leave by os._exit, which skips atexit;
-    its own finalizers still run, so flush from one of those."""
-    import sys
-
-    util = sys.modules.get("multiprocessing.util")
-    if util is not None:
-        util.Finalize(provider, provider.shutdown, exitpriority=100)
+    mp_util.Finalize(provider, provider.shutdown, exitpriority=100)

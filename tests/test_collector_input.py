@@ -1,0 +1,194 @@
+"""The collector against a client's garbage: clear gRPC statuses, bad spans rejected one by
+one and counted by reason, good spans stored, other clients unaffected. Raw batches go
+over a real gRPC stream to a real collector process."""
+import os
+import struct
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from crosstrace.collector.store import Store
+from crosstrace.proto import pb
+
+EXPORT = "/crosstrace.v1.Collector/Export"
+
+
+def batch(n: int, seq: int = 1, node: str = "raw", trace_hi: int = 7, first_id: int = 1, **override) -> pb.SpanBatch:
+    cols = {
+        "trace_id_hi": np.full(n, trace_hi, "<u8"), "trace_id_lo": np.full(n, 9, "<u8"),
+        "span_id": np.arange(first_id, first_id + n, dtype="<u8"), "parent_span_id": np.zeros(n, "<u8"),
+        "start_ns": np.arange(n, dtype="<i8") * 1000 + 10**9, "end_ns": np.arange(n, dtype="<i8") * 1000 + 10**9 + 500,
+        "kind": np.ones(n, "u1"), "status": np.zeros(n, "u1"), "name": np.zeros(n, "<u4"),
+        "thread": np.ones(n, "<u8"),
+    }
+    cols.update(override)
+    b = pb.SpanBatch(resource=pb.Resource(node_id=node), session_id=b"s" * 16, seq=seq, count=n,
+                     strings=["op"], attributes_json=b"[" + b",".join([b"null"] * n) + b"]")
+    for field, arr in cols.items():
+        setattr(b, field, arr.tobytes() if isinstance(arr, np.ndarray) else arr)
+    return b
+
+
+def export(address: str, messages: list[bytes], timeout: float = 10):
+    """Send raw messages on one Export stream; return (acks, error or None)."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(EXPORT, request_serializer=None, response_deserializer=pb.ExportAck.FromString)
+        acks = []
+        try:
+            for ack in call(iter(messages), timeout=timeout):
+                acks.append(ack)
+        except grpc.RpcError as err:
+            return acks, err
+        return acks, None
+
+
+def stored(collector) -> int:
+    store = Store(collector.store, readonly=True)
+    try:
+        return store.span_count()
+    finally:
+        store.close()
+
+
+def rejects(collector) -> dict:
+    store = Store(collector.store, readonly=True)
+    try:
+        return store.rejects()
+    finally:
+        store.close()
+
+
+def test_good_batch_is_acked_and_stored(collector):
+    acks, err = export(collector.address, [batch(100).SerializeToString()])
+    assert err is None and [(a.seq, a.accepted) for a in acks] == [(1, 100)]
+    assert stored(collector) == 100
+
+
+def test_undecodable_message_gets_invalid_argument_and_collector_stays_up(collector):
+    acks, err = export(collector.address, [b"\xff\xfe not a protobuf \x00" * 3])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "undecodable SpanBatch" in err.details()
+    acks, err = export(collector.address, [batch(5).SerializeToString()])
+    assert err is None and acks[0].accepted == 5
+    assert rejects(collector)["malformed_batch"] == 1
+
+
+def test_wrong_id_length_is_a_clear_invalid_argument(collector):
+    bad = batch(4, span_id=b"\x01" * 31)  # 4 spans need 32 bytes
+    acks, err = export(collector.address, [batch(3).SerializeToString(), bad.SerializeToString()])
+    assert [a.accepted for a in acks] == [3]  # the good batch before it was stored
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "span_id has 31 bytes; expected 8 per span x count=4" in err.details()
+
+
+def test_bad_spans_are_rejected_individually_and_the_rest_stored(collector):
+    n = 10
+    start = np.arange(n, dtype="<i8") * 1000 + 10**9
+    end = start + 500
+    end[1] = start[1] - 1                    # end before start
+    start[2] = end[2] = (1 << 62) + 5        # absurd: ~146 years after boot
+    ids = np.arange(1, n + 1, dtype="<u8")
+    ids[3] = 0                               # invalid span id
+    kinds = np.ones(n, "u1")
+    kinds[4] = 200                           # unknown kind
+    names = np.zeros(n, "<u4")
+    names[5] = 9                             # no such string
+    acks, err = export(collector.address, [batch(n, start_ns=start, end_ns=end, span_id=ids, kind=kinds,
+                                                  name=names).SerializeToString()])
+    assert err is None
+    ack = acks[0]
+    assert ack.accepted == 5
+    assert dict(ack.rejected) == {"end_before_start": 1, "absurd_timestamp": 1, "invalid_span_id": 1,
+                                  "unknown_kind": 1, "bad_name_index": 1}
+    assert stored(collector) == 5
+    assert rejects(collector)["end_before_start"] == 1
+
+
+def test_bad_attributes_json_is_invalid_argument(collector):
+    b = batch(2)
+    b.attributes_json = b'[{"a": 1}]'  # one entry for two spans
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "count=2" in err.details()
+    b.attributes_json = b"[not json"
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in err.details()
+
+
+def test_missing_node_id_is_invalid_argument(collector):
+    acks, err = export(collector.address, [batch(2, node="").SerializeToString()])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "node_id is empty" in err.details()
+
+
+def test_oversize_batch_gets_resource_exhausted(collector):
+    huge = b"\x0a" + b"\xff\xff\xff\x3f" + b"x" * (65 << 20)  # a 65 MiB field: above the 64 MiB limit
+    acks, err = export(collector.address, [huge], timeout=60)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in err.details()
+    assert export(collector.address, [batch(1).SerializeToString()])[0][0].accepted == 1
+
+
+def test_resent_batch_is_stored_once(collector):
+    data = batch(50).SerializeToString()
+    acks, err = export(collector.address, [data, data])  # e.g. a resend after a lost ack
+    assert err is None and [(a.accepted, a.duplicates) for a in acks] == [(50, 0), (0, 50)]
+    # Overlapping spans in a different batch of the same trace, on a new stream.
+    acks, err = export(collector.address, [batch(30, seq=2, first_id=41).SerializeToString()])
+    assert (acks[0].accepted, acks[0].duplicates) == (20, 10)
+    # The same span ids in another trace are different spans.
+    acks, err = export(collector.address, [batch(50, seq=3, trace_hi=8).SerializeToString()])
+    assert acks[0].accepted == 50
+    assert stored(collector) == 120
+
+
+def test_duplicates_within_one_batch_are_stored_once(collector):
+    ids = np.array([1, 2, 2, 3, 1], dtype="<u8")
+    acks, _ = export(collector.address, [batch(5, span_id=ids).SerializeToString()])
+    assert (acks[0].accepted, acks[0].duplicates) == (3, 2)
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def _hpack_literal(name: str, value: str) -> bytes:
+    return b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+
+def test_stream_dying_mid_batch_stores_the_complete_batches_only(collector):
+    """A hand-made HTTP/2 client sends one whole batch, then half of the next, then vanishes."""
+    import socket
+
+    host, port = collector.address.rsplit(":", 1)
+    headers = b"".join(_hpack_literal(k, v) for k, v in [
+        (":method", "POST"), (":scheme", "http"), (":path", EXPORT), (":authority", collector.address),
+        ("content-type", "application/grpc"), ("te", "trailers")])
+    whole = batch(11, trace_hi=31).SerializeToString()
+    partial = batch(1000, seq=2, trace_hi=32).SerializeToString()
+    grpc_msgs = (b"\x00" + struct.pack(">I", len(whole)) + whole
+                 + b"\x00" + struct.pack(">I", len(partial)) + partial[: len(partial) // 2])
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        data_frames = b"".join(_h2_frame(0, 0, 1, grpc_msgs[i:i + 16384])  # HTTP/2's default max frame
+                               for i in range(0, len(grpc_msgs), 16384))
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
+                     + _h2_frame(1, 0x4, 1, headers) + data_frames)
+        deadline = time.monotonic() + 10
+        while stored(collector) < 11 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    time.sleep(0.3)
+    assert stored(collector) == 11
+    acks, err = export(collector.address, [batch(2, seq=10, trace_hi=5).SerializeToString()])
+    assert err is None and acks[0].accepted == 2
+    assert stored(collector) == 13
+
+
+@pytest.mark.parametrize("count", [0])
+def test_empty_batch_with_clock_samples_only(collector, count):
+    b = batch(count)
+    b.attributes_json = b""
+    b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=1, t2=2, t3=3, t4=4))
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err is None and acks[0].accepted == 0
+    store = Store(collector.store, readonly=True)
+    assert len(store.clock_samples()) == 1
+    store.close()

@@ -1,0 +1,163 @@
+"""The tracer's export path end to end: several processes, durability across a SIGKILL
+of the collector, resends after a restart, drop counting, fork safety."""
+import time
+
+import crosstrace
+from crosstrace.collector.store import Store
+from crosstrace.launch import CollectorProcess, wait_until
+
+from .conftest import run_python, tracer_env
+
+
+def count(store_path: str) -> int:
+    store = Store(store_path, readonly=True)
+    try:
+        return store.span_count()
+    finally:
+        store.close()
+
+
+SPANS_SCRIPT = """
+import sys, crosstrace
+provider = crosstrace.init()
+tracer = provider.get_tracer("t")
+for i in range(int(sys.argv[1])):
+    with tracer.start_as_current_span("work", attributes={"i": i}):
+        pass
+print("flushed", provider.force_flush(20000))
+"""
+
+
+def test_three_processes_report_into_one_store(collector):
+    for node in ("a", "b", "c"):
+        out = run_python(SPANS_SCRIPT, env=tracer_env(collector, node), args=("3000",))
+        assert out.stdout.strip() == "flushed True"
+    store = Store(collector.store, readonly=True)
+    assert store.span_count() == 9000
+    assert sorted(r.node_id for r in store.nodes().values()) == ["a", "b", "c"]
+    assert all(n == 0 for n in store.dropped_by_node().values())
+    store.close()
+
+
+def test_sigkill_after_ack_loses_no_acked_span(tmp_path):
+    path = str(tmp_path / "store.db")
+    collector = CollectorProcess(path)
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="durable")
+    tracer = provider.get_tracer("t")
+    for i in range(20000):
+        with tracer.start_as_current_span("acked", attributes={"i": i}):
+            pass
+    assert provider.force_flush(20_000)  # every span above is acked, hence committed
+    collector.kill()                      # SIGKILL: no shutdown, no checkpoint
+    assert count(path) == 20000
+    provider.shutdown(timeout_millis=100)
+
+
+def test_collector_restart_mid_run_delivers_everything_once(tmp_path):
+    path = str(tmp_path / "store.db")
+    collector = CollectorProcess(path)
+    port = collector.port
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="restart",
+                                         export_interval_ms=50)
+    tracer = provider.get_tracer("t")
+    for i in range(5000):
+        with tracer.start_as_current_span("before", attributes={"i": i}):
+            pass
+    assert provider.force_flush(20_000)
+    collector.kill()
+    for i in range(5000):  # recorded while the collector is down: kept unacked, resent later
+        with tracer.start_as_current_span("during", attributes={"i": i}):
+            pass
+    time.sleep(0.5)
+    collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")
+    try:
+        assert provider.force_flush(30_000)
+        assert count(path) == 10000
+    finally:
+        provider.shutdown()
+        collector.stop()
+    assert count(path) == 10000
+
+
+def test_full_queue_drops_and_counts_and_the_report_shows_it(collector):
+    out = run_python("""
+        import crosstrace, time
+        p = crosstrace.init(max_queue=100, export_interval_ms=60000, batch_size=100000)
+        t = p.get_tracer("t")
+        for i in range(1000):           # far more than the queue holds before the next export
+            t.start_span("burst").end()
+        print(p.dropped_spans)
+        print(p.force_flush(20000))
+    """, env=tracer_env(collector, "dropper"))
+    dropped, flushed = out.stdout.split()
+    assert int(dropped) > 0 and flushed == "True"
+    store = Store(collector.store, readonly=True)
+    assert store.dropped_by_node() == {"dropper": int(dropped)}
+    assert store.span_count() == 1000 - int(dropped)
+    store.close()
+
+
+def test_forked_children_export_their_own_spans(collector):
+    out = run_python("""
+        import os, multiprocessing as mp, crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        with tracer.start_as_current_span("parent-before-fork"):
+            pass
+        def worker(i):
+            for j in range(100):
+                with tracer.start_as_current_span("in-worker", attributes={"worker": i}):
+                    pass
+        ctx = mp.get_context("fork")     # as DataLoader workers are made
+        procs = [ctx.Process(target=worker, args=(i,)) for i in range(2)]
+        [q.start() for q in procs]
+        [q.join(30) for q in procs]
+        pid = os.fork()
+        if pid == 0:
+            with tracer.start_as_current_span("raw-fork-child"):
+                pass
+            os._exit(0 if p.force_flush(20000) else 1)
+        _, status = os.waitpid(pid, 0)
+        print(status, [q.exitcode for q in procs], p.force_flush(20000))
+    """, env=tracer_env(collector, "forker"), timeout=90)
+    assert out.stdout.split() == ["0", "[0,", "0]", "True"], out.stderr
+    store = Store(collector.store, readonly=True)
+    from crosstrace.collector import spantable
+    t = spantable.load(store)
+    names = [t.names[i] for i in t.name]
+    assert names.count("in-worker") == 200 and names.count("raw-fork-child") == 1
+    assert names.count("parent-before-fork") == 1
+    store.close()
+
+
+def test_tracer_never_blocks_when_the_collector_is_unreachable():
+    provider = crosstrace.TracerProvider(endpoint="127.0.0.1:9", node_id="offline")
+    tracer = provider.get_tracer("t")
+    t0 = time.perf_counter()
+    for _ in range(20000):
+        with tracer.start_as_current_span("offline"):
+            pass
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10  # generous: it must not wait on the network (normally ~0.05 s)
+    t0 = time.perf_counter()
+    provider.shutdown(timeout_millis=300)
+    assert time.perf_counter() - t0 < 3
+
+
+def test_spans_ended_on_other_threads_arrive(collector):
+    import threading
+
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="threads")
+    tracer = provider.get_tracer("t")
+
+    def work():
+        for _ in range(500):
+            with tracer.start_as_current_span("threaded"):
+                pass
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert provider.force_flush(20_000)
+    provider.shutdown()
+    assert wait_until(lambda: count(collector.store) == 2000, 5)
