@@ -40,6 +40,9 @@ def dumps(value) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode()
 
 
+_ATTRIBUTE_TYPES = {dict, type(None)}
+
+
 class BadBatch(ValueError):
     """The batch as a whole cannot be read; the message says why."""
 
@@ -67,7 +70,7 @@ def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
             raise BadBatch(f"attributes_json is not valid JSON: {exc}") from None
         if not isinstance(attributes, list) or len(attributes) != n:
             raise BadBatch(f"attributes_json must be a JSON array of count={n} entries")
-        if not all(a is None or type(a) is dict for a in attributes):
+        if not set(map(type, attributes)) <= _ATTRIBUTE_TYPES:
             raise BadBatch("attributes_json entries must be objects or null")
     else:
         attributes = [None] * n

@@ -1,14 +1,15 @@
 """The collector's embedded durable store: one SQLite file in WAL mode.
 
-Spans are kept as columnar segments (a SpanBatch blob per accepted batch) plus a
-trace index, rather than a row per span: a row per span measured 250-340k spans/s
-here, a segment per batch well over 1M/s (README, "Choosing the store"). SQLite
-rather than DuckDB because `crosstrace report` must read a store while the collector
-is writing to it, which SQLite's WAL allows and DuckDB's single-writer lock does not.
+Spans are kept as columnar segments (one SpanBatch blob per accepted batch) rather
+than a row per span: a row per span measured 250-340k spans/s here (README, "Choosing
+the store"). SQLite rather than DuckDB because `crosstrace report` must read a store
+while the collector writes it, which SQLite's WAL allows and DuckDB's single-writer
+lock does not.
 
-A write commits before its batches are acked. Spans are deduplicated by
-(trace_id, span_id): each trace's known span ids are looked up (from a bounded
-in-memory cache, else from the trace index) before a segment is written.
+A write commits before its batches are acked. Duplicates are dropped twice over: a
+batch seen before (same session and seq: a resend after a lost ack, a spool replay)
+is answered from the `batches` table without storing anything, and every span is
+checked against the window of recently stored spans (collector/dedup.py).
 """
 import collections
 import dataclasses
@@ -20,7 +21,8 @@ import time
 import numpy as np
 
 from ..proto import pb
-from .columns import take
+from .columns import take, view
+from .dedup import RecentKeys, span_keys
 from .ingest import CheckedBatch
 
 SCHEMA_VERSION = 1
@@ -35,10 +37,11 @@ CREATE TABLE IF NOT EXISTS sessions (
     dropped INTEGER NOT NULL, last_seq INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS segments (
     id INTEGER PRIMARY KEY, node INTEGER NOT NULL, received_ns INTEGER NOT NULL,
-    n INTEGER NOT NULL, data BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS trace_index (
-    trace_hi INTEGER NOT NULL, trace_lo INTEGER NOT NULL, segment INTEGER NOT NULL,
-    span_ids BLOB NOT NULL, PRIMARY KEY (trace_hi, trace_lo, segment)) WITHOUT ROWID;
+    n INTEGER NOT NULL, data BLOB NOT NULL,
+    traces BLOB NOT NULL);  -- sorted distinct trace_id_hi values: finds a trace's segments
+CREATE TABLE IF NOT EXISTS batches (
+    session_id BLOB NOT NULL, seq INTEGER NOT NULL, accepted INTEGER NOT NULL, duplicates INTEGER NOT NULL,
+    PRIMARY KEY (session_id, seq)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS clock_samples (
     node INTEGER NOT NULL, source INTEGER NOT NULL, peer TEXT NOT NULL,
     t1 INTEGER, t2 INTEGER, t3 INTEGER, t4 INTEGER, local_ns INTEGER,
@@ -54,48 +57,10 @@ class WriteResult:
     duplicates: int
 
 
-class KnownSpans:
-    """Sorted span ids per recently written trace, bounded by the total number of ids."""
-
-    def __init__(self, max_ids: int = 4_000_000, max_traces: int = 100_000):
-        self.max_ids = max_ids
-        self.max_traces = max_traces
-        self._ids: "collections.OrderedDict[tuple[int, int], np.ndarray]" = collections.OrderedDict()
-        self._total = 0
-
-    def get(self, key):
-        ids = self._ids.get(key)
-        if ids is not None:
-            self._ids.move_to_end(key)
-        return ids
-
-    def put(self, key, ids: np.ndarray) -> None:
-        old = self._ids.pop(key, None)
-        if old is not None:
-            self._total -= len(old)
-        self._ids[key] = ids
-        self._total += len(ids)
-        while (self._total > self.max_ids or len(self._ids) > self.max_traces) and len(self._ids) > 1:
-            _, dropped = self._ids.popitem(last=False)
-            self._total -= len(dropped)
-
-
-_U64 = (1 << 64) - 1
-
-
-def _signed(u: np.ndarray) -> list[int]:
-    """uint64 ids as SQLite's signed INTEGER."""
-    return u.view(np.int64).tolist()
-
-
-def _s64(value: int) -> int:
-    return value - (1 << 64) if value >> 63 else value
-
-
 class Store:
     """Opened by the collector for writing, and by the CLI (`readonly=True`) for reports."""
 
-    def __init__(self, path: str, readonly: bool = False, sync: str = "normal"):
+    def __init__(self, path: str, readonly: bool = False, sync: str = "normal", window: int = 8_000_000):
         self.path = path
         self.readonly = readonly
         if readonly:
@@ -113,8 +78,10 @@ class Store:
             self._init_meta()
         self.db.execute("PRAGMA cache_size=-131072")
         self._lock = threading.Lock()
-        self._known = KnownSpans()
         self._node_ids: dict[str, int] = {}
+        self.recent = RecentKeys(window)
+        if not readonly:
+            self._load_recent_keys()
 
     def close(self) -> None:
         self.db.close()
@@ -143,6 +110,7 @@ class Store:
         with self._lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
+            self._pending: list[np.ndarray] = []
             try:
                 results = [self._write_one(b, now) for b in batches]
                 rejects = collections.Counter(rejected_whole or {})
@@ -154,8 +122,9 @@ class Store:
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
-                self._known = KnownSpans(self._known.max_ids, self._known.max_traces)  # the cache may hold uncommitted ids
                 raise
+            for keys in self._pending:  # only committed spans enter the window
+                self.recent.add(keys)
         return results
 
     def record_rejects(self, rejects: collections.Counter) -> None:
@@ -175,8 +144,13 @@ class Store:
         return node
 
     def _write_one(self, checked: CheckedBatch, now: int) -> WriteResult:
-        batch, cols, keep = checked.batch, checked.cols, checked.keep.copy()
+        batch, cols = checked.batch, checked.cols
         db = self.db
+        if batch.session_id:
+            seen = db.execute("SELECT accepted, duplicates FROM batches WHERE session_id = ? AND seq = ?",
+                              (batch.session_id, batch.seq)).fetchone()
+            if seen is not None:  # a resend: everything in it is stored already
+                return WriteResult(0, seen[0] + seen[1])
         node = self._node(batch.resource, now)
         if batch.session_id:
             db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
@@ -186,62 +160,32 @@ class Store:
             db.executemany("INSERT INTO clock_samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                            [(node, s.source, s.peer, s.t1, s.t2, s.t3, s.t4, s.local_ns, s.offset_ns,
                              s.error_ns, s.server, now) for s in batch.clock_samples])
-        duplicates, known = self._mark_duplicates(cols, keep)
+        keep = checked.keep.copy()
+        keys = span_keys(cols["trace_id_hi"], cols["trace_id_lo"], cols["span_id"])
+        duplicates = self._mark_duplicates(keys, keep)
         accepted = int(keep.sum())
         if accepted:
-            self._write_segment(checked, keep, node, now, known)
+            self._write_segment(checked, keep, node, now)
+            self._pending.append(keys[keep])
+        if batch.session_id:
+            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)", (batch.session_id, batch.seq, accepted, duplicates))
         return WriteResult(accepted, duplicates)
 
-    def _mark_duplicates(self, cols, keep: np.ndarray) -> tuple[int, dict]:
-        """Clear `keep` for spans already stored or repeated within the batch. Returns their
-        count and the stored span ids of this batch's traces."""
+    def _mark_duplicates(self, keys: np.ndarray, keep: np.ndarray) -> int:
+        """Clear `keep` for spans stored before or repeated within the batch; returns their count."""
         idx = np.flatnonzero(keep)
-        if not len(idx):
-            return 0, {}
-        hi, lo, sid = cols["trace_id_hi"][idx], cols["trace_id_lo"][idx], cols["span_id"][idx]
-        # Repeats within the batch: keep the first of each (trace, span).
-        order = np.lexsort((sid, lo, hi))
-        h, l, s = hi[order], lo[order], sid[order]
+        k = keys[idx]
+        order = np.argsort(k, kind="stable")
+        ordered = k[order]
         dup = np.zeros(len(idx), dtype=bool)
-        dup[order[1:][(h[1:] == h[:-1]) & (l[1:] == l[:-1]) & (s[1:] == s[:-1])]] = True
-        # Spans stored before. Span ids are random 64-bit numbers, so a span id seen in any
-        # known trace of this batch is a rare candidate, then checked against its own trace.
-        known = self._known_ids(hi, lo)
-        if known:
-            candidates = np.flatnonzero(np.isin(sid, np.concatenate(list(known.values()))))
-            for row, key, span in zip(candidates.tolist(), zip(hi[candidates].tolist(), lo[candidates].tolist()),
-                                      sid[candidates].tolist()):
-                ids = known.get(key)
-                if ids is not None:
-                    pos = np.searchsorted(ids, span)
-                    dup[row] |= bool(pos < len(ids) and ids[pos] == span)
+        dup[order[1:][ordered[1:] == ordered[:-1]]] = True  # repeats within the batch: keep the first
+        dup[order] |= self.recent.contains(ordered)  # sorted needles search faster
+        if self._pending:
+            dup |= np.isin(k, np.concatenate(self._pending))
         keep[idx[dup]] = False
-        return int(dup.sum()), known
+        return int(dup.sum())
 
-    def _known_ids(self, hi: np.ndarray, lo: np.ndarray) -> dict:
-        """Stored span ids (sorted) of the traces in this batch that have any."""
-        keys = np.unique(np.stack([hi, lo], axis=1), axis=0)
-        found, missing = {}, []
-        for key in map(tuple, keys.tolist()):
-            ids = self._known.get(key)
-            if ids is None:
-                missing.append(key)
-            else:
-                found[key] = ids
-        for start in range(0, len(missing), 400):
-            chunk = missing[start:start + 400]
-            rows = self.db.execute(
-                "SELECT trace_hi, trace_lo, span_ids FROM trace_index WHERE (trace_hi, trace_lo) IN "
-                f"(VALUES {','.join(['(?,?)'] * len(chunk))})", [_s64(v) for key in chunk for v in key]).fetchall()
-            stored = collections.defaultdict(list)
-            for h, l, blob in rows:
-                stored[(h & _U64, l & _U64)].append(np.frombuffer(blob, "<u8"))
-            for key, parts in stored.items():
-                found[key] = np.sort(np.concatenate(parts))
-                self._known.put(key, found[key])
-        return found
-
-    def _write_segment(self, checked: CheckedBatch, keep: np.ndarray, node: int, now: int, known: dict) -> None:
+    def _write_segment(self, checked: CheckedBatch, keep: np.ndarray, node: int, now: int) -> None:
         batch, cols = checked.batch, checked.cols
         if keep.all():
             segment = pb.SpanBatch()
@@ -250,25 +194,22 @@ class Store:
             segment.ClearField("clock_samples")
         else:
             segment = take(batch, cols, keep, checked.attributes, checked.extras)
-        cur = self.db.execute("INSERT INTO segments (node, received_ns, n, data) VALUES (?, ?, ?, ?)",
-                              (node, now, segment.count, segment.SerializeToString()))
-        seg_id = cur.lastrowid
-        hi, lo, sid = cols["trace_id_hi"][keep], cols["trace_id_lo"][keep], cols["span_id"][keep]
-        order = np.lexsort((lo, hi))
-        hi, lo, sid = hi[order], lo[order], sid[order]
-        bounds = np.flatnonzero((hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])) + 1
-        starts = np.concatenate([[0], bounds]).tolist()
-        ends = np.concatenate([bounds, [len(sid)]]).tolist()
-        rows = []
-        his, los = hi[starts].tolist(), lo[starts].tolist()
-        shi, slo = _signed(hi[starts]), _signed(lo[starts])
-        for i, (a, b) in enumerate(zip(starts, ends)):
-            ids = sid[a:b]
-            rows.append((shi[i], slo[i], seg_id, ids.tobytes()))
-            key = (his[i], los[i])
-            stored = known.get(key)
-            self._known.put(key, np.sort(ids) if stored is None else np.union1d(stored, ids))
-        self.db.executemany("INSERT INTO trace_index VALUES (?, ?, ?, ?)", rows)
+        traces = np.unique(cols["trace_id_hi"][keep]).tobytes()
+        self.db.execute("INSERT INTO segments (node, received_ns, n, data, traces) VALUES (?, ?, ?, ?, ?)",
+                        (node, now, segment.count, segment.SerializeToString(), traces))
+
+    def _load_recent_keys(self) -> None:
+        """Refill the dedup window from the newest segments, so it survives a restart."""
+        wanted = self.recent.capacity // 2
+        parts, total = [], 0
+        for (data,) in self.db.execute("SELECT data FROM segments ORDER BY id DESC"):
+            cols = view(pb.SpanBatch.FromString(data))
+            parts.append(span_keys(cols["trace_id_hi"], cols["trace_id_lo"], cols["span_id"]))
+            total += len(parts[-1])
+            if total >= wanted:
+                break
+        for keys in reversed(parts):
+            self.recent.add(keys)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -278,16 +219,14 @@ class Store:
     def segments(self, trace_keys: list[tuple[int, int]] | None = None):
         """Yield (node, SpanBatch) for every stored segment, or those holding the given traces."""
         if trace_keys is None:
-            query = self.db.execute("SELECT node, data FROM segments ORDER BY id")
-        else:
-            ids = set()
-            for h, l in trace_keys:
-                ids.update(r[0] for r in self.db.execute(
-                    "SELECT segment FROM trace_index WHERE trace_hi = ? AND trace_lo = ?", (_s64(h), _s64(l))))
-            query = (self.db.execute("SELECT node, data FROM segments WHERE id = ?", (i,)).fetchone()
-                     for i in sorted(ids))
-        for node, data in query:
-            yield node, pb.SpanBatch.FromString(data)
+            for node, data in self.db.execute("SELECT node, data FROM segments ORDER BY id"):
+                yield node, pb.SpanBatch.FromString(data)
+            return
+        wanted = np.array(sorted({h for h, _ in trace_keys}), dtype="<u8")
+        for seg_id, traces in self.db.execute("SELECT id, traces FROM segments ORDER BY id").fetchall():
+            if np.isin(wanted, np.frombuffer(traces, "<u8")).any():
+                node, data = self.db.execute("SELECT node, data FROM segments WHERE id = ?", (seg_id,)).fetchone()
+                yield node, pb.SpanBatch.FromString(data)
 
     def clock_samples(self) -> list[tuple]:
         """(node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, server) rows."""

@@ -2,9 +2,6 @@
 import json
 import sys
 
-from ..collector import report as report_mod
-from ..collector.store import Store
-
 
 def progress(message: str) -> None:
     print(f"crosstrace: {message}", file=sys.stderr, flush=True)
@@ -31,6 +28,9 @@ def register(sub) -> None:
 
 
 def build_report(store_path: str, trace_ids=None, quiet: bool = False):
+    from ..collector import report as report_mod
+    from ..collector.store import Store
+
     store = Store(store_path, readonly=True)
     try:
         analysed = report_mod.analyse_store(store, trace_ids, progress=None if quiet else progress)
@@ -56,6 +56,8 @@ def run_report(args) -> int:
 
 
 def run_export(args) -> int:
+    from ..collector import report as report_mod
+    from ..collector.store import Store
     from ..collector.views import jsonl
 
     store = Store(args.store, readonly=True)
