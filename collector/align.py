@@ -1,60 +1,220 @@
 """Put every span on the reference timeline (the collector's monotonic clock).
 
-Fits one clock model per node from the stored clock samples and maps each span's
-local start/end through it; every aligned time carries its node's error bound.
+Per node, every clock source becomes hard bounds on offset = node clock - reference:
+  - two-way probes to the collector (UDP, gRPC) bound it directly;
+  - RPC piggyback samples bound (node - peer) and go through the peer's model;
+  - NTP / PTP readings bound (node - UTC) and go through the UTC link, measured from the
+    nodes that have both kinds (else the collector's wall clock, flagged as assumed).
+The sources of a node are selected and intersected (clock_sync.combine), and all models
+are then refined with the trace's causality (clock_sync.causal): RPC servers inside their
+clients, receives ending after their sends started, nobody leaving an N x N collective
+before the last participant entered. Every aligned time carries its error bound.
 """
 import dataclasses
 
 import numpy as np
 
-from ..clock_sync.exchange import fit_min_delay, offset_bounds
-from ..clock_sync.model import ClockModel, unknown
+from ..clock_sync import causal, exchange
+from ..clock_sync.combine import combine, compose
+from ..clock_sync.exchange import Bounds
+from ..clock_sync.fit import fit
+from ..clock_sync.model import ClockModel, line, unknown
 from ..proto import pb
+from ..proto import semconv as sc
+from .matching import Matches, match
 from .spantable import SpanTable
 
-_TWO_WAY_TO_COLLECTOR = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE)
+# The one table of assumptions alignment makes.
+ASSUMED_COLLECTOR_UTC_ERROR_NS = 10_000_000   # the collector's wall clock vs UTC, when nothing measures it
+# Collectives whose every participant waits for all the others (Scalasca's "N x N").
+N_X_N_OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "barrier", "monitoredbarrier")
+
+UNBOUNDED_NS = np.iinfo(np.int64).max // 4
+UTC = "utc"
+_SOURCE_NAMES = {pb.UDP_EXCHANGE: "udp", pb.GRPC_EXCHANGE: "grpc", pb.RPC_PIGGYBACK: "rpc",
+                 pb.NTP: "ntp", pb.PTP: "ptp"}
 
 
 @dataclasses.dataclass
 class Alignment:
-    models: dict[str, ClockModel]   # node_id -> model
+    models: dict[str, ClockModel]   # node_id -> model (after refinement)
     start: np.ndarray               # int64 reference ns per span row
     end: np.ndarray
-    error: np.ndarray               # int64 bound per row (huge where the node has no model)
+    error: np.ndarray               # int64 bound per row (UNBOUNDED_NS where the node has no model)
     epoch_offset_ns: int            # reference + this = Unix epoch ns
+    facts: int = 0                  # causality facts the trace gave
+    violations: int = 0             # facts still broken after refinement: a clock inconsistency
+
+
+# -- per node: sources, selection, composition ---------------------------------------------------
+
+@dataclasses.dataclass
+class NodeSources:
+    direct: dict[str, Bounds]       # name -> bounds on (node - collector)
+    to_utc: dict[str, Bounds]       # name -> bounds on (node - UTC)
+    to_peer: dict[str, Bounds]      # peer node_id -> bounds on (node - peer)
+    samples: int = 0
+
+
+def node_sources(rows: list[tuple]) -> NodeSources:
+    """A node's stored clock-sample rows (Store.clock_samples) as bounds, by source."""
+    grouped: dict[tuple[str, str], list] = {}
+    for row in rows:
+        _, source, peer, *_ = row
+        kind = _SOURCE_NAMES.get(source)
+        if kind is None:
+            continue
+        if kind in ("ntp", "ptp"):
+            key = (UTC, row[10] if row[10].startswith(kind) else f"{kind}:{row[10]}")
+        elif peer:
+            key = ("peer", peer)
+        else:
+            key = ("direct", kind)
+        grouped.setdefault(key, []).append(row)
+    out = NodeSources({}, {}, {}, len(rows))
+    for (where, name), group in grouped.items():
+        cols = list(zip(*group))
+        if where == UTC:
+            bounds = exchange.from_offsets(cols[7], cols[8], cols[9])
+            out.to_utc[name] = bounds
+            continue
+        bounds = exchange.from_exchanges(cols[3], cols[4], cols[5], cols[6])
+        (out.to_peer if where == "peer" else out.direct)[name] = bounds
+    return out
 
 
 def fit_models(store) -> dict[str, ClockModel]:
-    """One model per node that has sent anything."""
-    nodes = store.nodes()
-    by_node: dict[int, list] = {n: [] for n in nodes}
+    """One model per node that has sent anything, on the collector's clock."""
+    resources = store.nodes()
+    rows_by_node: dict[str, list] = {r.node_id: [] for r in resources.values()}
     for row in store.clock_samples():
-        by_node.setdefault(row[0], []).append(row)
+        if row[0] in resources:
+            rows_by_node[resources[row[0]].node_id].append(row)
+    epoch = int(store.meta("epoch_offset_ns") or 0)
+    return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch)
+
+
+def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int) -> dict[str, ClockModel]:
+    """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers."""
+    direct = {node: combine(s.direct) for node, s in sources.items()}
+    utc_link = _utc_link(sources, direct, epoch_offset_ns)
     models = {}
-    for node, rows in by_node.items():
-        exchanges = [r for r in rows if r[1] in _TWO_WAY_TO_COLLECTOR and not r[2]]
-        if not exchanges:
-            models[nodes[node].node_id] = unknown(len(rows))
+    for node, s in sources.items():
+        models[node] = combine({**s.direct, **{n: compose(b, utc_link) for n, b in s.to_utc.items()}})
+    # Piggyback samples go through the peer's model; a chain edge -> gateway -> cloud needs
+    # one round per hop.
+    used: dict[str, set] = {node: set() for node in sources}
+    for _ in range(len(sources)):
+        changed = False
+        for node, s in sources.items():
+            peers = {peer for peer in s.to_peer if peer in models and models[peer].known}
+            if peers <= used[node]:
+                continue
+            used[node] = peers
+            via = {f"rpc:{peer}": compose(s.to_peer[peer], models[peer]) for peer in sorted(peers)}
+            models[node] = combine({**s.direct, **{n: compose(b, utc_link) for n, b in s.to_utc.items()},
+                                    **via})
+            changed = True
+        if not changed:
+            break
+    out = {}
+    for node, model in models.items():
+        s = sources[node]
+        if not model.known:
+            out[node] = unknown(s.samples)
             continue
-        _, _, _, t1, t2, t3, t4 = zip(*(r[:7] for r in exchanges))
-        lo, hi = offset_bounds(t1, t2, t3, t4)
-        models[nodes[node].node_id] = fit_min_delay(np.asarray(t1), lo, hi, source="grpc_exchange")
-    return models
+        model = dataclasses.replace(model, samples=s.samples)
+        if s.to_utc and "utc_link_assumed" in utc_link.flags:
+            model = model.with_flags("utc_link_assumed")
+        out[node] = model
+    return out
 
 
-UNBOUNDED_NS = np.iinfo(np.int64).max // 4
+def _utc_link(sources, direct: dict[str, ClockModel], epoch_offset_ns: int) -> ClockModel:
+    """Model of (UTC - collector clock) in UTC time, from every node that has both a direct
+    model and NTP/PTP samples; else the collector's own wall clock, with an assumed bound."""
+    parts = []
+    for node, s in sources.items():
+        if not s.to_utc or not direct[node].known:
+            continue
+        for bounds in s.to_utc.values():
+            lo, hi = direct[node].bounds_at(bounds.t)
+            utc_t = bounds.t - np.rint(bounds.mid).astype(np.int64)
+            parts.append(Bounds(utc_t, lo - bounds.hi, utc_t.copy(), hi - bounds.lo))
+    measured = fit(exchange.concat(parts), "utc_link") if parts else unknown()
+    if measured.known:
+        return measured
+    return line(epoch_offset_ns, 0.0, 0, ASSUMED_COLLECTOR_UTC_ERROR_NS, flags=("utc_link_assumed",))
 
 
-def align(table: SpanTable, models: dict[str, ClockModel], epoch_offset_ns: int = 0) -> Alignment:
-    start = table.start.copy()
-    end = table.end.copy()
+# -- causality facts from the trace --------------------------------------------------------------
+
+def causality(table: SpanTable, matches: Matches) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row_a, a_is_end, row_b, b_is_end): event a happens before event b."""
+    parts = []
+    if len(matches.rpc):
+        client, server = matches.rpc[:, 0], matches.rpc[:, 1]
+        parts.append((client, False, server, False))    # the request leaves before it arrives
+        parts.append((server, True, client, True))      # the reply leaves before it arrives
+    if len(matches.p2p):
+        parts.append((matches.p2p[:, 0], False, matches.p2p[:, 1], True))
+    rows_a, rows_b = [], []
+    for members, op in zip(matches.collective_members(), matches.coll_op):
+        if not _is_n_x_n(op) or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
+                                                        for r in members.tolist()):
+            continue
+        a, b = np.meshgrid(members, members, indexing="ij")
+        rows_a.append(a.ravel())
+        rows_b.append(b.ravel())
+    if rows_a:
+        parts.append((np.concatenate(rows_a), False, np.concatenate(rows_b), True))
+    if not parts:
+        empty = np.empty(0, np.int64)
+        return empty, np.empty(0, bool), empty, np.empty(0, bool)
+    row_a = np.concatenate([p[0] for p in parts]).astype(np.int64)
+    row_b = np.concatenate([p[2] for p in parts]).astype(np.int64)
+    a_end = np.concatenate([np.full(len(p[0]), p[1]) for p in parts])
+    b_end = np.concatenate([np.full(len(p[2]), p[3]) for p in parts])
+    other_node = table.node[row_a] != table.node[row_b]    # one clock cannot contradict itself
+    return row_a[other_node], a_end[other_node], row_b[other_node], b_end[other_node]
+
+
+def _is_n_x_n(op: str) -> bool:
+    return op.lower().replace("_", "").startswith(N_X_N_OPS)
+
+
+# -- alignment ---------------------------------------------------------------------------------
+
+def align(table: SpanTable, models: dict[str, ClockModel], epoch_offset_ns: int = 0,
+          matches: Matches | None = None) -> Alignment:
+    if matches is None:
+        matches = match(table)
+    node_models = [models.get(node_id) or unknown() for node_id in table.nodes]
+    row_a, a_end, row_b, b_end = causality(table, matches)
+    known = np.array([m.known for m in node_models] + [False], dtype=bool)
+    node = table.node.astype(np.int64)
+    usable = known[node[row_a]] & known[node[row_b]]
+    row_a, a_end, row_b, b_end = row_a[usable], a_end[usable], row_b[usable], b_end[usable]
+    facts = causal.Precedence(node[row_a], np.where(a_end, table.end[row_a], table.start[row_a]),
+                              node[row_b], np.where(b_end, table.end[row_b], table.start[row_b]))
+    refined = causal.refine(node_models, facts)
+    node_models = refined.models
+    if len(refined.violations):
+        involved = np.concatenate([facts.node_a[refined.violations], facts.node_b[refined.violations]])
+        counts = np.bincount(involved, minlength=len(node_models))
+        for k in np.flatnonzero(counts).tolist():
+            node_models[k] = node_models[k].with_flags(f"causality_violations:{counts[k]}")
+
+    start, end = table.start.copy(), table.end.copy()
     error = np.full(len(table), UNBOUNDED_NS, dtype=np.int64)
-    for node_index, node_id in enumerate(table.nodes):
-        model = models.get(node_id)
-        rows = table.node == node_index
-        if model is None or not model.known:
+    for k, model in enumerate(node_models):
+        rows = table.node == k
+        if not model.known or not rows.any():
             continue
         start[rows] = model.to_reference(table.start[rows])
         end[rows] = model.to_reference(table.end[rows])
-        error[rows] = int(np.ceil(model.error_ns))
-    return Alignment(models, start, end, error, epoch_offset_ns)
+        bound = np.maximum(model.error_at(table.start[rows]), model.error_at(table.end[rows]))
+        error[rows] = np.minimum(np.ceil(bound), UNBOUNDED_NS).astype(np.int64)
+    out_models = dict(models)
+    out_models.update({node_id: m for node_id, m in zip(table.nodes, node_models) if node_id in models})
+    return Alignment(out_models, start, end, error, epoch_offset_ns, len(facts), len(refined.violations))

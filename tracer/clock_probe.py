@@ -1,15 +1,29 @@
-"""Clock samples against the collector: bursts of two-way probes over gRPC.
+"""Clock samples: two-way probes to the collector, and NTP / PTP readings when configured.
 
-Runs on the exporter thread; every probe's four timestamps are kept (t1 and t4 on this
-node's clock, t2 and t3 on the collector's) and travel with the next span batch.
+The exporter thread calls probe_if_due(): every clock_probe_interval_s a burst of UDP
+probes (the collector answers on its gRPC port's number, with kernel receive
+timestamps) and a burst over gRPC. Each probe waits for its answer with a short
+timeout, so an unreachable collector costs the exporter a fraction of a second.
+NTP servers and ptp4l are read on a thread of their own (an NTP server may be slow or
+gone). Every time comes from the node's Clock, simulated offset and drift included; the
+samples travel with the next span batch.
 """
+import logging
+import os
+import socket
+import threading
 import time
 
 import grpc
 
+from ..clock_sync import ntp, ptp, udp
 from ..proto import pb
 
+log = logging.getLogger("crosstrace.tracer")
+
 _CLOCK_METHOD = "/crosstrace.v1.Collector/ExchangeClock"
+_PROBE_TIMEOUT_S = 0.2
+_UDP_GIVE_UP_AFTER = 3       # bursts without any answer before the UDP channel is left alone
 
 
 class ClockProber:
@@ -19,12 +33,32 @@ class ClockProber:
         self.samples = samples          # deque drained into the next batch
         self._get_channel = get_channel
         self._next = 0.0
+        self._udp = _UdpChannel(cfg.endpoint, clock) if cfg.udp_clock else None
+        self._sources = _SourceReader(cfg, clock, samples) if (cfg.ntp_servers or cfg.ptp_uds) else None
 
     def probe_if_due(self) -> None:
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + self.cfg.clock_probe_interval_s
+        if self._sources is not None:
+            self._sources.start()
+        if self._udp is not None:
+            self.samples.extend(self._udp.burst(self.cfg.clock_probe_burst))
+            if self._udp.failed_bursts >= _UDP_GIVE_UP_AFTER:
+                log.info("crosstrace: no UDP clock answers from %s; using the gRPC exchange only",
+                         self.cfg.endpoint)
+                self._udp.close()
+                self._udp = None
+        self._grpc_burst()
+
+    def close(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._sources is not None:
+            self._sources.stop()
+
+    def _grpc_burst(self) -> None:
         exchange = self._get_channel().unary_unary(
             _CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
             response_deserializer=pb.ClockProbeReply.FromString)
@@ -38,3 +72,116 @@ class ClockProber:
             t4 = clock_now()
             self.samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t1, t2=reply.t2, t3=reply.t3,
                                                t4=t4, local_ns=t1))
+
+
+class _UdpChannel:
+    """A connected UDP socket to the collector's clock responder."""
+
+    def __init__(self, endpoint: str, clock):
+        self.clock = clock
+        self.failed_bursts = 0
+        self.sock = None
+        try:
+            host, port = _host_port(endpoint)
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            sock.connect(address)
+        except (OSError, ValueError) as exc:
+            log.info("crosstrace: no UDP clock probes to %s (%s)", endpoint, exc)
+            return
+        sock.settimeout(_PROBE_TIMEOUT_S)
+        udp.enable_rx_timestamps(sock)
+        self.sock = sock
+
+    def burst(self, n: int) -> list:
+        if self.sock is None:
+            self.failed_bursts = _UDP_GIVE_UP_AFTER
+            return []
+        out = []
+        now = self.clock.now
+        for _ in range(n):
+            nonce = int.from_bytes(os.urandom(8), "little")
+            t1 = now()
+            try:
+                self.sock.send(udp.pack_request(nonce, t1))
+                t4, reply = self._await(nonce, now)
+            except OSError:  # refused (nothing listens) or timed out
+                break
+            _, _, t2, t3 = reply
+            out.append(pb.ClockSample(source=pb.UDP_EXCHANGE, t1=t1, t2=t2, t3=t3, t4=t4, local_ns=t1))
+        self.failed_bursts = 0 if out else self.failed_bursts + 1
+        return out
+
+    def _await(self, nonce: int, now):
+        """(t4, reply) for this nonce; stale answers to earlier probes are skipped."""
+        deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        while True:
+            data, _, rx_realtime = udp.recv(self.sock)
+            t4 = udp.since_realtime(rx_realtime, now)
+            reply = udp.unpack_reply(data)
+            if reply is not None and reply[0] == nonce:
+                return t4, reply
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("no answer")
+            self.sock.settimeout(remaining)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    """The gRPC target "host:port", "[v6]:port" or "dns:///host:port" as (host, port)."""
+    target = endpoint.split("///", 1)[-1]
+    host, sep, port = target.rpartition(":")
+    if not sep:
+        raise ValueError(f"endpoint {endpoint!r} has no port")
+    return host.strip("[]"), int(port)
+
+
+class _SourceReader:
+    """Reads NTP servers and ptp4l on its own thread; a failing source warns once."""
+
+    def __init__(self, cfg, clock, samples):
+        self.cfg = cfg
+        self.clock = clock
+        self.samples = samples
+        self.servers = [s.strip() for s in cfg.ntp_servers.split(",") if s.strip()]
+        self._stop = threading.Event()
+        self._thread = None
+        self._warned: set[str] = set()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="crosstrace-clock-sources", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        next_ntp = next_ptp = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.servers and now >= next_ntp:
+                next_ntp = now + self.cfg.ntp_interval_s
+                for server in self.servers:
+                    self._read(f"ntp {server}", pb.NTP, lambda s=server: ntp.query(s, self.clock.now))
+            if self.cfg.ptp_uds and now >= next_ptp:
+                next_ptp = now + self.cfg.ptp_interval_s
+                self._read(f"ptp {self.cfg.ptp_uds}", pb.PTP, lambda: ptp.query(self.cfg.ptp_uds, self.clock.now))
+            wait = min(t for t, on in ((next_ntp, bool(self.servers)), (next_ptp, bool(self.cfg.ptp_uds))) if on)
+            self._stop.wait(max(0.05, wait - time.monotonic()))
+
+    def _read(self, what: str, source, query) -> None:
+        try:
+            s = query()
+        except (ntp.NtpError, ptp.PtpError, OSError, ValueError) as exc:
+            if what not in self._warned:
+                self._warned.add(what)
+                log.warning("crosstrace: clock source %s gives no samples yet: %s", what, exc)
+            return
+        self.samples.append(pb.ClockSample(source=source, local_ns=s.local_ns, offset_ns=s.ref_minus_local_ns,
+                                           error_ns=s.error_ns, server=s.server))

@@ -1,0 +1,175 @@
+"""Real collectors and tracer processes with injected clocks: the collector recovers every
+node's offset and drift within its bounds, over UDP and gRPC, and RPC causality holds."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from crosstrace.clock_sync import udp
+from crosstrace.collector import spantable
+from crosstrace.collector.align import align, fit_models
+from crosstrace.collector.columns import view
+from crosstrace.collector.server import Collector
+from crosstrace.collector.store import Store
+from crosstrace.collector.udp_clock import UdpClockResponder
+from crosstrace.launch import wait_until
+from crosstrace.proto import pb
+
+from .conftest import run_python, tracer_env
+
+WORKER = """
+import sys, time, crosstrace
+provider = crosstrace.init()
+tracer = provider.get_tracer("test")
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    with tracer.start_as_current_span("tick"):
+        time.sleep(0.001)
+    time.sleep(0.05)
+provider.shutdown()
+"""
+
+
+def injected_offset(local, offset_ns, drift_ppm, epoch_ns):
+    """The truth of tracer/clock.Clock: local = t + offset + (t - epoch) * ppb // 1e9."""
+    ppb = round(drift_ppm * 1000)
+    t = epoch_ns + (np.asarray(local, dtype=np.float64) - offset_ns - epoch_ns) / (1 + ppb / 1e9)
+    return offset_ns + (t - epoch_ns) * ppb / 1e9
+
+
+def sim_env(collector, node, offset_ns, drift_ppm, epoch_ns, **extra):
+    return tracer_env(collector, node, sim_clock_offset_ns=offset_ns, sim_clock_drift_ppm=drift_ppm,
+                      sim_clock_epoch_ns=epoch_ns, clock_probe_interval_s=0.3, **extra)
+
+
+def span_starts(store, node_id):
+    nodes = {i: r.node_id for i, r in store.nodes().items()}
+    return np.concatenate([view(seg)["start_ns"] for node, seg in store.segments() if nodes[node] == node_id])
+
+
+def test_udp_and_grpc_recover_injected_clocks_within_bounds(collector):
+    epoch = time.monotonic_ns()
+    truth = {"edge": (734_000_123, 87.5), "cloud": (-912_345_678, -64.25)}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, "3"],
+                              env={**os.environ, **sim_env(collector, node, off, drift, epoch)})
+             for node, (off, drift) in truth.items()]
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    collector.stop()
+    store = Store(collector.store, readonly=True)
+    try:
+        models = fit_models(store)
+        rows = store.clock_samples()
+        starts = {node: span_starts(store, node) for node in truth}
+    finally:
+        store.close()
+    assert {r[1] for r in rows} == {pb.UDP_EXCHANGE, pb.GRPC_EXCHANGE}
+    for node, (off, drift) in truth.items():
+        m = models[node]
+        assert set(m.sources) == {"udp", "grpc"}, m
+        t = starts[node]
+        true = injected_offset(t, off, drift, epoch)
+        lo, hi = m.bounds_at(t)
+        assert np.all((lo <= true + 1) & (true - 1 <= hi)), (node, (true - lo).min(), (hi - true).min())
+        assert np.all(np.abs(m.offset_at(t) - true) <= m.error_at(t) + 1)
+        assert abs(m.drift_ppm - drift) <= m.drift_error_ppm + 0.01
+        # The UDP channel alone bounds the clock far more tightly than gRPC alone (same run).
+        udp_width = [r[6] - r[3] - (r[5] - r[4]) for r in rows if r[1] == pb.UDP_EXCHANGE]
+        grpc_width = [r[6] - r[3] - (r[5] - r[4]) for r in rows if r[1] == pb.GRPC_EXCHANGE]
+        assert min(udp_width) < min(grpc_width)
+
+
+def test_clocks_command_prints_each_node(collector):
+    epoch = time.monotonic_ns()
+    run_python(WORKER, sim_env(collector, "n1", 5_000_000, 10.0, epoch, udp_clock=0), args=("1",))
+    collector.stop()
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "clocks", "--store", collector.store, "--json"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    doc = json.loads(out.stdout)
+    c = doc["clocks"]["n1"]
+    assert c["sources"] == ["grpc"]            # UDP switched off in this tracer
+    assert abs(c["offset_ns"] - 5_000_000) <= c["error_bound_ns"] + 100_000
+    assert c["samples"] > 0 and c["segments"] >= 1 and doc["causality"]["violations"] == 0
+    text = subprocess.run([sys.executable, "-m", "crosstrace", "clocks", "--store", collector.store],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "n1" in text and "grpc" in text
+
+
+def test_rpc_spans_are_causally_consistent_after_alignment(collector):
+    """Server and client with clocks 0.3 s apart: on the aligned timeline every server span
+    lies inside its client span, and the refinement leaves no violation."""
+    epoch = time.monotonic_ns()
+    mod = "crosstrace.demo.rpc_chain"
+    server = subprocess.Popen([sys.executable, "-m", mod, "--role", "model"], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **sim_env(collector, "model", 200_000_000, 40.0, epoch)})
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("listening on "), line
+        address = line.split()[-1]
+        client = subprocess.run([sys.executable, "-m", mod, "--role", "frontend", "--upstream", address,
+                                 "--requests", "15"], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, **sim_env(collector, "frontend", -100_000_000, -70.0, epoch)})
+        assert client.returncode == 0, client.stderr
+    finally:
+        server.terminate()
+        server.wait(20)
+    collector.stop()
+    store = Store(collector.store, readonly=True)
+    try:
+        table = spantable.load(store)
+        al = align(table, fit_models(store))
+    finally:
+        store.close()
+    assert al.facts >= 30 and al.violations == 0
+    clients = np.flatnonzero(table.kind == pb.RPC_CLIENT)
+    servers = np.flatnonzero(table.kind == pb.RPC_SERVER)
+    by_id = {int(table.span_id[c]): c for c in clients}
+    pairs = [(by_id[int(table.parent_id[s])], s) for s in servers if int(table.parent_id[s]) in by_id]
+    assert len(pairs) == 15
+    for c, s in pairs:
+        assert al.start[c] <= al.start[s] and al.end[s] <= al.end[c]
+        assert al.error[s] < 1_000_000                  # bounded, not "unknown"
+
+
+def test_udp_responder_answers_probes_and_ignores_garbage():
+    responder = UdpClockResponder("127.0.0.1", 0).start()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(2)
+            sock.sendto(b"not a probe", ("127.0.0.1", responder.port))
+            sock.sendto(b"XXXX" + bytes(len(udp.pack_request(0, 0)) - 4), ("127.0.0.1", responder.port))
+            t1 = time.monotonic_ns()
+            sock.sendto(udp.pack_request(42, t1), ("127.0.0.1", responder.port))
+            data, _ = sock.recvfrom(64)
+            t4 = time.monotonic_ns()
+        nonce, echoed, t2, t3 = udp.unpack_reply(data)
+        assert nonce == 42 and echoed == t1
+        assert t1 <= t2 <= t3 <= t4                     # one clock on both ends: causal order
+        # The responder counts a reply once sent, so the count may trail the reply we got.
+        assert wait_until(lambda: responder.answered == 1, 5) and responder.ignored == 2
+    finally:
+        responder.stop()
+
+
+def test_a_taken_udp_port_costs_only_the_udp_channel(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        collector = Collector(str(tmp_path / "store.db"), f"127.0.0.1:{port}").start()
+        try:
+            assert collector.port == port and collector.udp_clock.sock is None
+            env = {"CROSSTRACE_ENDPOINT": collector.address, "CROSSTRACE_NODE_ID": "n"}
+            run_python("import crosstrace; p = crosstrace.init(); p.get_tracer('t').start_span('s').end(); "
+                       "p.shutdown()", env)
+        finally:
+            collector.stop()
+    store = Store(str(tmp_path / "store.db"), readonly=True)
+    try:
+        sources = {r[1] for r in store.clock_samples()}
+    finally:
+        store.close()
+    assert sources == {pb.GRPC_EXCHANGE}
