@@ -2,6 +2,8 @@
 
 These joins need no clock: they use ids and the keys the tracers put on spans
 (proto/semconv.py). Alignment uses them as causality constraints, the DAG as edges.
+Equal keys pair in order of appearance (the i-th send with key k pairs with the i-th
+receive with key k); whatever finds no partner is listed in `unmatched`.
 """
 import dataclasses
 
@@ -10,6 +12,8 @@ import numpy as np
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .spantable import SpanTable
+
+_NONE = np.empty(0, dtype=np.int64)
 
 
 @dataclasses.dataclass
@@ -21,6 +25,8 @@ class Matches:
     coll_expected: np.ndarray  # participants each instance should have (group size; 0 = unknown)
     coll_op: list[str]         # op name per instance
     unmatched: dict[str, np.ndarray]  # "rpc_client", "rpc_server", "send", "recv", "collective" -> rows
+    coll_group: list = dataclasses.field(default_factory=list)  # group name per instance
+    coll_seq: list = dataclasses.field(default_factory=list)    # group-local sequence number per instance
 
     @property
     def n_collectives(self) -> int:
@@ -33,71 +39,92 @@ class Matches:
         return np.split(self.coll_rows[order], bounds) if len(order) else []
 
 
-def _pair_by_key(keys_a: list, rows_a: np.ndarray, keys_b: list, rows_b: np.ndarray):
-    """Equality join of two key lists (first match wins); returns (pairs, unmatched_a, unmatched_b)."""
-    index = {}
-    for key, row in zip(keys_a, rows_a.tolist()):
-        index.setdefault(key, row)
-    pairs, used = [], set()
-    for key, row in zip(keys_b, rows_b.tolist()):
-        a = index.get(key)
-        if a is not None and a not in used:
-            used.add(a)
-            pairs.append((a, row))
-    matched_b = {b for _, b in pairs}
-    pairs_arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    return (pairs_arr, np.array([r for r in rows_a.tolist() if r not in used], dtype=np.int64),
-            np.array([r for r in rows_b.tolist() if r not in matched_b], dtype=np.int64))
+def intern(keys: list) -> np.ndarray:
+    """Dense int ids for hashable keys (equal keys, equal ids; None stays -1)."""
+    ids: dict = {}
+    return np.array([-1 if k is None else ids.setdefault(k, len(ids)) for k in keys], dtype=np.int64)
+
+
+def occurrence(ids: np.ndarray) -> np.ndarray:
+    """For each entry, how many earlier entries have the same id (0 for the first)."""
+    if not len(ids):
+        return _NONE
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(ids)), 0))
+    out = np.empty(len(ids), dtype=np.int64)
+    out[order] = np.arange(len(ids)) - first
+    return out
+
+
+def pair(ids_a: np.ndarray, rows_a: np.ndarray, ids_b: np.ndarray, rows_b: np.ndarray):
+    """Equality join on key ids (-1: no key), the i-th a of a key with the i-th b of that key.
+    Returns (pairs (k, 2) of rows, unmatched rows of a, unmatched rows of b)."""
+    va, vb = np.flatnonzero(ids_a >= 0), np.flatnonzero(ids_b >= 0)
+    width = max(len(ids_a), len(ids_b)) + 1        # more than any key's occurrences
+    ka = ids_a[va] * width + occurrence(ids_a[va])
+    kb = ids_b[vb] * width + occurrence(ids_b[vb])
+    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    ia, ib = va[ia], vb[ib]
+    pairs = np.stack([rows_a[ia], rows_b[ib]], axis=1).astype(np.int64).reshape(-1, 2)
+    lone_a = np.ones(len(rows_a), dtype=bool)
+    lone_a[ia] = False
+    lone_b = np.ones(len(rows_b), dtype=bool)
+    lone_b[ib] = False
+    return pairs, rows_a[lone_a].astype(np.int64), rows_b[lone_b].astype(np.int64)
+
+
+def _jobs(table: SpanTable, rows: np.ndarray) -> list:
+    job_of_node = [r.job_id for r in table.resources]
+    return [job_of_node[n] for n in table.node[rows].tolist()]
+
+
+def _p2p_keys(table: SpanTable, rows: np.ndarray) -> list:
+    """Key (job, src, dst, tag, seq) per row; None without src, dst or seq."""
+    cols = [table.attr(key, rows) for key in (sc.P2P_SRC, sc.P2P_DST, sc.P2P_TAG, sc.P2P_SEQ)]
+    return [None if k[1] is None or k[2] is None or k[4] is None else k
+            for k in zip(_jobs(table, rows), *cols)]
 
 
 def match(table: SpanTable) -> Matches:
     kind = table.kind
-    jobs = [r.job_id for r in table.resources]
-    node = table.node
 
     # RPC: the server span's parent is the client span (W3C traceparent).
     clients = np.flatnonzero(kind == Kind.RPC_CLIENT)
     servers = np.flatnonzero(kind == Kind.RPC_SERVER)
-    rpc, lone_clients, lone_servers = _pair_by_key(
-        list(zip(table.trace[clients].tolist(), table.span_id[clients].tolist())), clients,
-        list(zip(table.trace[servers].tolist(), table.parent_id[servers].tolist())), servers)
+    ids = intern(list(zip(table.trace[clients].tolist(), table.span_id[clients].tolist()))
+                 + list(zip(table.trace[servers].tolist(), table.parent_id[servers].tolist())))
+    rpc, lone_clients, lone_servers = pair(ids[:len(clients)], clients, ids[len(clients):], servers)
 
     # Point-to-point: a send and its receive share (job, src, dst, tag, seq).
-    def p2p_keys(rows):
-        return [(jobs[n], a.get(sc.P2P_SRC), a.get(sc.P2P_DST), a.get(sc.P2P_TAG), a.get(sc.P2P_SEQ))
-                if (a := table.attributes[r]) is not None else None
-                for r, n in zip(rows.tolist(), node[rows].tolist())]
-
     sends = np.flatnonzero(kind == Kind.SEND)
     recvs = np.flatnonzero(kind == Kind.RECV)
-    p2p, lone_sends, lone_recvs = _pair_by_key(p2p_keys(sends), sends, p2p_keys(recvs), recvs)
+    ids = intern(_p2p_keys(table, sends) + _p2p_keys(table, recvs))
+    p2p, lone_sends, lone_recvs = pair(ids[:len(sends)], sends, ids[len(sends):], recvs)
 
     # Collectives: every participant of one instance has the same (job, group, seq).
     colls = np.flatnonzero(kind == Kind.COLLECTIVE)
-    instance_of: dict = {}
-    rows, instance, expected, ops, lone = [], [], [], [], []
-    for r, n in zip(colls.tolist(), node[colls].tolist()):
-        a = table.attributes[r] or {}
-        group, seq = a.get(sc.COLL_GROUP), a.get(sc.COLL_SEQ)
-        if group is None or seq is None:
-            lone.append(r)
-            continue
-        key = (jobs[n], group, seq)
-        i = instance_of.get(key)
-        if i is None:
-            i = instance_of[key] = len(expected)
-            ranks = a.get(sc.COLL_RANKS)
-            expected.append(len(ranks) if isinstance(ranks, list) else 0)
-            ops.append(str(a.get(sc.COLL_OP, table.names[table.name[r]])))
-        rows.append(r)
-        instance.append(i)
-    instance_arr = np.array(instance, dtype=np.int64)
-    expected_arr = np.array(expected, dtype=np.int64)
-    counts = np.bincount(instance_arr, minlength=len(expected)) if len(expected) else np.zeros(0, np.int64)
-    short = set(np.flatnonzero((expected_arr > 0) & (counts < expected_arr)).tolist())
-    lone_colls = np.array(lone + [r for r, i in zip(rows, instance) if i in short], dtype=np.int64)
+    groups, seqs = table.attr(sc.COLL_GROUP, colls), table.attr(sc.COLL_SEQ, colls)
+    keys = [None if g is None or s is None else (j, g, s)
+            for j, g, s in zip(_jobs(table, colls), groups, seqs)]
+    instance_all = intern(keys)
+    keyed = instance_all >= 0
+    rows, instance = colls[keyed], instance_all[keyed]
+    _, first = np.unique(instance, return_index=True)      # first member of each instance
+    n = len(first)
+    first_rows = rows[first].tolist()
+    ranks = table.attr(sc.COLL_RANKS, first_rows)
+    expected = np.array([len(r) if isinstance(r, list) else 0 for r in ranks], dtype=np.int64)
+    ops = [str(op) if op is not None else table.names[table.name[r]]
+           for op, r in zip(table.attr(sc.COLL_OP, first_rows), first_rows)]
+    counts = np.bincount(instance, minlength=n)
+    short = (expected > 0) & (counts < expected)
+    lone_colls = np.sort(np.concatenate([colls[~keyed], rows[short[instance]]])).astype(np.int64)
+    first_attrs = [table.attributes[r] for r in first_rows]
     return Matches(
-        rpc=rpc, p2p=p2p, coll_rows=np.array(rows, dtype=np.int64), coll_instance=instance_arr,
-        coll_expected=expected_arr, coll_op=ops,
+        rpc=rpc, p2p=p2p, coll_rows=rows.astype(np.int64), coll_instance=instance,
+        coll_expected=expected, coll_op=ops,
         unmatched={"rpc_client": lone_clients, "rpc_server": lone_servers, "send": lone_sends,
-                   "recv": lone_recvs, "collective": lone_colls})
+                   "recv": lone_recvs, "collective": lone_colls},
+        coll_group=[a[sc.COLL_GROUP] for a in first_attrs], coll_seq=[a[sc.COLL_SEQ] for a in first_attrs])

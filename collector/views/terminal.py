@@ -28,6 +28,9 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
             table.add_row(t["trace_id"][:16], t["name"], fmt_ns(t["duration_ns"]), str(t["spans"]),
                           str(t["nodes"]), top)
         console.print(table)
+        render_slowest(max(traces, key=lambda t: t["duration_ns"]), console)
+    if report.get("budgets"):
+        render_budgets(report["budgets"], len(traces), console)
     clocks = Table(title="clocks (offset = node clock - reference)", title_justify="left")
     for col in ("node", "offset", "drift", "error bound", "samples", "flags"):
         clocks.add_column(col, justify="left" if col in ("node", "flags") else "right")
@@ -45,3 +48,43 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
     if unmatched:
         console.print("spans whose partner is missing (lost, sampled out or in flight): "
                       + ", ".join(f"{k}: {v}" for k, v in unmatched.items()))
+
+
+def render_slowest(trace: dict, console: Console, limit: int = 12) -> None:
+    """The slowest trace's critical path (longest segments first), straggler and pipeline."""
+    path = Table(title=f"critical path of the slowest trace {trace['trace_id'][:16]} ({fmt_ns(trace['duration_ns'])}), "
+                       f"longest segments", title_justify="left")
+    for col in ("category", "node", "span", "duration", "share", "confidence"):
+        path.add_column(col, justify="right" if col in ("duration", "share", "confidence") else "left")
+    for seg in sorted(trace["critical_path"], key=lambda s: -s["duration_ns"])[:limit]:
+        node = f"{seg['from_node']} -> {seg['node']}" if "from_node" in seg else seg["node"]
+        path.add_row(seg["category"], node, seg["span"] or "-", fmt_ns(seg["duration_ns"]),
+                     f"{seg['duration_ns'] / max(trace['duration_ns'], 1):.0%}", f"{seg['confidence']:.2f}")
+    console.print(path)
+    s = trace.get("straggler")
+    if s:
+        console.print(f"straggler: {s['node']} (rank {s['rank']}), busy in {s['span']!r}, made others wait "
+                      f"{fmt_ns(s['delay_cost_ns'])} in all")
+    p = trace.get("pipeline")
+    if p:
+        console.print(f"pipeline {p['schedule']}: bubble {p['bubble_fraction']:.1%} measured, "
+                      f"{p['ideal_bubble_fraction']:.1%} ideal ({p['ranks']} ranks, {p['microbatches']} microbatches, "
+                      f"{p['stages_per_rank']} stage(s) per rank)")
+
+
+def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
+    from ..budgets import format_value
+
+    console = console or Console()
+    table = Table(title=f"budgets ({n_traces} traces)", title_justify="left")
+    for col in ("budget", "measured", "limit", "samples", "status", "worst traces"):
+        table.add_column(col, justify="right" if col in ("measured", "limit", "samples") else "left")
+    styles = {"ok": "[green]ok[/]", "violated": "[bold red]VIOLATED[/]", "no_data": "[red]no data[/]"}
+    for r in results:
+        worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(r, w['value'])})" for w in r["worst"]) or "-"
+        label = r["rule"] if r["name"] == r["rule"] else f"{r['name']}: {r['rule']}"
+        table.add_row(label, format_value(r, r["measured"]), format_value(r, r["limit"]), str(r["samples"]),
+                      styles[r["status"]], worst)
+    console.print(table)
+    bad = sum(not r["ok"] for r in results)
+    console.print(f"{bad} of {len(results)} budgets violated" if bad else f"all {len(results)} budgets hold")

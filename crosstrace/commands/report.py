@@ -15,26 +15,54 @@ def register(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write the machine-readable report here ('-' for stdout)")
     p.add_argument("--trace", action="append", metavar="TRACE_ID", help="only this trace (repeatable)")
     p.add_argument("--limit", type=int, default=10, help="traces shown in the terminal (default %(default)s)")
+    p.add_argument("--html", metavar="FILE",
+                   help="write one self-contained HTML page: timelines of the slowest and a typical trace "
+                        "(nodes as lanes, critical path highlighted), attribution per trace and per rank, budgets")
+    p.add_argument("--budget", metavar="FILE",
+                   help="check these latency budgets (TOML; see `crosstrace budget check --help`) and "
+                        "include them in the report")
     p.set_defaults(func=run_report)
 
     p = sub.add_parser("export", help="write spans on the aligned timeline for other tools",
                        description="Export the store's spans, mapped onto the aligned timeline.")
     p.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
-    p.add_argument("--jsonl", metavar="FILE", required=True,
+    p.add_argument("--jsonl", metavar="FILE",
                    help="one JSON object per span: trace_id, span_id, parent_span_id, name, kind, node_id, "
                         "rank, start_ns, end_ns, error_bound_ns, attributes")
+    p.add_argument("--perfetto", metavar="FILE",
+                   help="Chrome trace-event JSON for Perfetto UI (ui.perfetto.dev) or chrome://tracing: one "
+                        "process per node, flow arrows for send/recv, RPCs and collective joins, and a "
+                        "critical-path track")
+    p.add_argument("--otlp", metavar="ENDPOINT",
+                   help="send the spans to an OTLP/gRPC backend (OpenTelemetry Collector, Jaeger, Tempo): "
+                        "host:port or http://host:port in plaintext, https://host:port over TLS; times are "
+                        "Unix epoch on the aligned timeline, each span with crosstrace.error_bound_ns")
+    p.add_argument("--otlp-header", action="append", default=[], metavar="KEY=VALUE",
+                   help="metadata on every OTLP request, e.g. 'authorization=Bearer T' (repeatable)")
+    p.add_argument("--otlp-ca", metavar="PEM", help="CA bundle that signed the https:// backend's certificate")
     p.add_argument("--trace", action="append", metavar="TRACE_ID", help="only this trace (repeatable)")
     p.set_defaults(func=run_export)
 
 
 def build_report(store_path: str, trace_ids=None, quiet: bool = False):
+    report, analysed, _ = analyse_report(store_path, trace_ids, quiet)
+    return report, analysed
+
+
+def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_file: str | None = None):
+    """(report dict, Analysed, Attribution) of a store; budgets from `budget_file` if given."""
+    from ..collector import attribution, budgets
     from ..collector import report as report_mod
     from ..collector.store import Store
 
+    budget_list = budgets.load(budget_file) if budget_file else None
     store = Store(store_path, readonly=True)
     try:
         analysed = report_mod.analyse_store(store, trace_ids, progress=None if quiet else progress)
-        return report_mod.build(store, analysed), analysed
+        if not quiet:
+            progress("stitching traces, finding critical paths, attributing latency")
+        attributed = attribution.attribute(analysed.table, analysed.alignment, analysed.matches)
+        return report_mod.build(store, analysed, budget_list, attributed), analysed, attributed
     finally:
         store.close()
 
@@ -42,7 +70,13 @@ def build_report(store_path: str, trace_ids=None, quiet: bool = False):
 def run_report(args) -> int:
     from ..collector.views import terminal
 
-    report, _ = build_report(args.store, args.trace, quiet=args.json == "-")
+    report, analysed, attributed = analyse_report(args.store, args.trace, quiet=args.json == "-",
+                                                  budget_file=args.budget)
+    if args.html:
+        from ..collector.views import html
+
+        html.write(args.html, report, analysed, attributed)
+        progress(f"wrote {args.html}")
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
         print()
@@ -58,13 +92,43 @@ def run_report(args) -> int:
 def run_export(args) -> int:
     from ..collector import report as report_mod
     from ..collector.store import Store
-    from ..collector.views import jsonl
+    from ..collector.views import jsonl, perfetto
 
+    if not (args.jsonl or args.perfetto or args.otlp):
+        raise ValueError("nothing to export: give --jsonl FILE, --perfetto FILE and/or --otlp ENDPOINT")
+    headers = [_header(h) for h in args.otlp_header]
     store = Store(args.store, readonly=True)
     try:
         analysed = report_mod.analyse_store(store, args.trace, progress=progress)
     finally:
         store.close()
-    n = jsonl.write(args.jsonl, analysed)
-    progress(f"wrote {n:,} spans to {args.jsonl}")
+    if args.jsonl:
+        n = jsonl.write(args.jsonl, analysed)
+        progress(f"wrote {n:,} spans to {args.jsonl}")
+    if args.perfetto:
+        n = perfetto.write(args.perfetto, analysed)
+        progress(f"wrote {n:,} spans to {args.perfetto} (open it in ui.perfetto.dev or chrome://tracing)")
+    if args.otlp:
+        export_otlp(args.otlp, analysed, headers, args.otlp_ca)
     return 0
+
+
+def _header(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--otlp-header expects KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def export_otlp(endpoint: str, analysed, headers, ca) -> None:
+    import grpc
+
+    from ..collector.views import otlp
+
+    try:
+        result = otlp.send(endpoint, analysed, headers, ca)
+    except grpc.RpcError as err:
+        raise OSError(f"OTLP export to {endpoint} failed: {err.code().name}: {err.details()}") from None
+    progress(f"sent {result.spans:,} spans to {endpoint} in {result.requests} request(s)"
+             + (f"; the backend rejected {result.rejected:,}" if result.rejected else "")
+             + (f"; {result.unplaced:,} spans of nodes without a clock model were left out" if result.unplaced else ""))

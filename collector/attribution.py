@@ -1,0 +1,411 @@
+"""Latency attribution in DESIGN.md's vocabulary, on the critical path and per rank.
+
+On the critical path each segment gets one category (the path's segments tile the trace,
+so the categories add up to its duration). Per rank (per node in a trace), each instant
+of the node's window counts once, by the PRIORITY table when spans overlap. Collective
+and point-to-point waits are split at the partner's entry (Scalasca's "wait at N x N" and
+"late sender"), and each wait is charged to the rank that arrived late and the span it
+was busy with before (Scalasca's delay cost). Pipeline traces also get their measured
+bubble fraction next to the schedule's ideal (p - 1) / (v * m + p - 1).
+
+Everything is vectorised over SpanTable rows (all traces at once, interval sweeps as in
+HTA); the judgement calls are the tables right below, and nowhere else.
+"""
+import dataclasses
+
+import numpy as np
+
+from ..proto import semconv as sc
+from ..proto.semconv import Kind
+from . import critical_path
+from .align import Alignment
+from .critical_path import NO_EDGE, Paths
+from .dag import Dag, Edge, dense, group_time_order, stitch
+from .matching import Matches
+from .spantable import SpanTable
+
+CATEGORIES = ("compute", "data", "network.uplink", "network.downlink", "collective.wait",
+              "collective.transfer", "p2p.wait", "p2p.transfer", "bubble", "host.overhead",
+              "clock.uncertainty")
+C = {name: i for i, name in enumerate(CATEGORIES)}
+REMOTE = len(CATEGORIES)   # not a category: waiting on a peer whose time is attributed there, or unseen
+GAP = -1                   # resolved per node: bubble on a pipeline rank, else host.overhead
+
+# ---- The judgement calls -------------------------------------------------------------
+# Time in a span of this kind that no child, partner or join explains.
+SELF_TIME = {
+    Kind.COMPUTE: "compute",
+    Kind.DATA: "data",
+    Kind.INTERNAL: GAP,                      # an untyped span: the program's or framework's own time
+    Kind.RPC_SERVER: GAP,                    # server-side queueing and (de)serialisation
+    Kind.RPC_CLIENT: REMOTE,                 # a call whose server span is missing: remote and unseen
+    Kind.SEND: "p2p.transfer",               # matched sends are split at their receive's start and end
+    Kind.RECV: "p2p.transfer",               # an early sender: the whole receive is transfer
+    Kind.COLLECTIVE: "collective.transfer",  # a matched collective is split at its join instead
+}
+# A critical-path step from one span to another.
+STEP = {
+    Edge.RPC_REQUEST: "network.uplink",
+    Edge.RPC_RESPONSE: "network.downlink",
+    Edge.MESSAGE: "p2p.transfer",            # the receive waited for a late send
+    Edge.JOIN: "collective.transfer",        # zero length: the join is its last participant's entry
+    Edge.COMPLETE: "collective.transfer",
+}
+# Per rank, a span's children on its own thread cover it (the thread is in the child).
+# When other things happen at once (other threads, async work), the first of these counts:
+# communication hidden behind compute is not exposed (HTA), and a rank waits only when it
+# does nothing else.
+PRIORITY = ("compute", "data", "collective.transfer", "p2p.transfer", "network.uplink", "network.downlink",
+            "collective.wait", "p2p.wait", "bubble", "clock.uncertainty", REMOTE)
+# A piece between two nodes that is no longer than their combined clock error bound cannot
+# be placed: it counts as clock.uncertainty. On a pipeline rank (a node with pp.* spans in
+# the trace) waiting for a neighbour stage and idle time are the pipeline's bubble.
+# ---------------------------------------------------------------------------------------
+
+_NEG = np.iinfo(np.int64).min
+
+
+def _code(name) -> int:
+    return name if isinstance(name, int) else C[name]
+
+
+_SELF = np.full(256, GAP, dtype=np.int64)
+for _kind, _cat in SELF_TIME.items():
+    _SELF[int(_kind)] = _code(_cat)
+_STEP = np.full(256, GAP, dtype=np.int64)
+for _edge, _cat in STEP.items():
+    _STEP[int(_edge)] = _code(_cat)
+_RANK = np.empty(REMOTE + 1, dtype=np.int64)
+_RANK[[_code(c) for c in PRIORITY]] = np.arange(len(PRIORITY))
+_LEVELS = [_code(c) for c in PRIORITY]
+
+
+@dataclasses.dataclass
+class Waits:
+    """One row per wait one span caused others (a collective instance, or a p2p pair)."""
+    trace: np.ndarray
+    is_collective: np.ndarray   # bool: collective join, else point-to-point
+    late_row: np.ndarray        # the span that entered late
+    cause_row: np.ndarray       # what its rank did before: the span before it on its thread (or parent), -1
+    cost_ns: np.ndarray         # total wait it caused (Scalasca's delay cost)
+    lateness_ns: np.ndarray     # how much later it entered than the partner before it
+    waiting: np.ndarray         # participants that waited
+    join: np.ndarray            # join index for a collective, -1
+
+
+@dataclasses.dataclass
+class Attribution:
+    dag: Dag
+    paths: Paths
+    matches: Matches
+    segment_category: np.ndarray   # per critical-path segment: index into CATEGORIES, or REMOTE
+    segment_row: np.ndarray        # per segment: the span it belongs to, -1 for none
+    critical: np.ndarray           # (traces, categories + 1) ns on the critical path; last column REMOTE
+    group: np.ndarray              # per row: its (trace, node) group
+    group_trace: np.ndarray        # per group
+    group_node: np.ndarray
+    group_pipeline: np.ndarray     # bool: a pipeline rank in this trace
+    window: np.ndarray             # per group: ns the breakdown covers
+    per_rank: np.ndarray           # (groups, categories + 1) ns, each instant once; last column REMOTE
+    waits: Waits
+    ops: list                      # collective op names
+    op_of_join: np.ndarray         # per join: index into ops
+    join_wait: np.ndarray          # per join: summed wait of its participants
+    join_transfer: np.ndarray      # per join: summed transfer
+    pipelines: dict                # trace index -> pipeline summary
+
+
+def _resolve(cat: np.ndarray, pipeline: np.ndarray) -> np.ndarray:
+    return np.where(cat == GAP, np.where(pipeline, C["bubble"], C["host.overhead"]), cat)
+
+
+def _uncertain(cat, length, error):
+    return np.where((error > 0) & (length <= error), C["clock.uncertainty"], cat)
+
+
+def _label_path(dag: Dag, paths: Paths, kind: np.ndarray, pipeline_row: np.ndarray):
+    """Category and owning span of every critical-path segment."""
+    edge = paths.edge
+    dst_row = dag.row_of(paths.dst)
+    src_row = dag.row_of(np.maximum(paths.src, 0))
+    row = dst_row.copy()
+    cat = _STEP[edge]
+    own = (edge == Edge.SPAN) | (edge == Edge.CHILD_END)
+    cat[own] = _SELF[kind[dst_row[own]]]
+    parent_start = edge == Edge.CHILD_START
+    cat[parent_start] = _SELF[kind[src_row[parent_start]]]
+    row[parent_start] = src_row[parent_start]
+    row[edge == Edge.RPC_REQUEST] = src_row[edge == Edge.RPC_REQUEST]
+    # Along a thread: after a span's start, that span's own time; before a span's end, that
+    # span's; between one span's end and the next one's start, the next one's parent's if
+    # it is open on this thread, else a gap.
+    thread = np.flatnonzero(edge == Edge.THREAD)
+    after_start = thread[(paths.src[thread] & 1) == 0]
+    cat[after_start] = _SELF[kind[src_row[after_start]]]
+    row[after_start] = src_row[after_start]
+    after_end = thread[(paths.src[thread] & 1) == 1]
+    before_end = after_end[(paths.dst[after_end] & 1) == 1]
+    cat[before_end] = _SELF[kind[dst_row[before_end]]]
+    gap = after_end[(paths.dst[after_end] & 1) == 0]
+    parent = dag.parent[dst_row[gap]]
+    inside = (parent >= 0) & (dag.lane[np.maximum(parent, 0)] == dag.lane[dst_row[gap]])
+    cat[gap] = np.where(inside, _SELF[kind[np.maximum(parent, 0)]], GAP)
+    row[gap[inside]] = parent[inside]
+    lead = edge == NO_EDGE
+    cat[lead] = GAP
+    row[lead] = -1
+    cat = _resolve(cat, pipeline_row[np.where(row >= 0, row, dst_row)])
+    return _uncertain(cat, paths.end - paths.start, paths.error), row
+
+
+def pieces(table: SpanTable, dag: Dag, start, end, error):
+    """Per-rank pieces (row, start, end, category): each span split where its partner or
+    join entered. Untyped spans add none: their time is the gap category."""
+    n = len(table)
+    kind = table.kind
+    rows, s, e, cat, err = [], [], [], [], []
+
+    def add(r, a, b, c, x=0):
+        rows.append(r)
+        s.append(a)
+        e.append(b)
+        cat.append(np.broadcast_to(np.asarray(c, dtype=np.int64), r.shape))
+        err.append(np.broadcast_to(np.asarray(x, dtype=np.int64), r.shape))
+
+    for k in (Kind.COMPUTE, Kind.DATA):
+        r = np.flatnonzero(kind == k)
+        add(r, start[r], end[r], _SELF[k])
+    node = table.node
+
+    def split(r, at, other, wait_cat, busy_cat, until=None):
+        cut = np.clip(at, start[r], end[r])
+        stop = end[r] if until is None else np.clip(until, cut, end[r])
+        x = np.where(node[r] != node[other], error[r] + error[other], 0)
+        add(r, start[r], cut, wait_cat, x)
+        add(r, cut, stop, busy_cat, x)
+
+    coll = kind == Kind.COLLECTIVE
+    r = np.flatnonzero(coll & dag.waits_for_join)
+    split(r, dag.join_time[dag.join[r]], dag.join_last[dag.join[r]], C["collective.wait"], C["collective.transfer"])
+    r = np.flatnonzero(coll & ~dag.waits_for_join)
+    add(r, start[r], end[r], C["collective.transfer"])
+    p2p = (kind == Kind.SEND) | (kind == Kind.RECV)
+    r = np.flatnonzero((kind == Kind.RECV) & (dag.partner >= 0))
+    split(r, start[dag.partner[r]], dag.partner[r], C["p2p.wait"], C["p2p.transfer"])
+    # A send is done once its receive is: an async send's time until its late wait() is not
+    # transfer (the thread does other things, or nothing).
+    r = np.flatnonzero((kind == Kind.SEND) & (dag.partner >= 0))
+    split(r, start[dag.partner[r]], dag.partner[r], C["p2p.wait"], C["p2p.transfer"],
+          until=end[dag.partner[r]])
+    r = np.flatnonzero(p2p & (dag.partner < 0))
+    add(r, start[r], end[r], C["p2p.transfer"])
+    client = kind == Kind.RPC_CLIENT
+    r = np.flatnonzero(client & (dag.partner >= 0))
+    srv = dag.partner[r]
+    up = np.clip(start[srv], start[r], end[r])
+    down = np.clip(end[srv], up, end[r])
+    x = np.where(node[r] != node[srv], error[r] + error[srv], 0)
+    add(r, start[r], up, C["network.uplink"], x)
+    add(r, up, down, REMOTE)
+    add(r, down, end[r], C["network.downlink"], x)
+    r = np.flatnonzero(client & (dag.partner < 0))
+    add(r, start[r], end[r], REMOTE)
+    cols = [np.concatenate(a) if a else np.empty(0, np.int64) for a in (rows, s, e, cat, err)]
+    rows, s, e, cat, err = cols
+    keep = e > s
+    rows, s, e, cat, err = rows[keep], s[keep], e[keep], cat[keep], err[keep]
+    return rows, s, e, _uncertain(cat, e - s, err)
+
+
+def _minus_children(table: SpanTable, dag: Dag, rows, s, e, cat, base, span):
+    """Pieces with the time of their span's children on the same (node, thread) cut out."""
+    child = np.flatnonzero(dag.parent >= 0)
+    child = child[(table.node[child] == table.node[dag.parent[child]])
+                  & (table.thread[child] == table.thread[dag.parent[child]])]
+    covered = np.zeros(len(table), dtype=bool)
+    covered[dag.parent[child]] = True
+    cut = covered[rows]
+    if not cut.any():
+        return rows, s, e, cat
+    start, end = dag.time[0:2 * dag.n_rows:2], dag.time[1:2 * dag.n_rows:2]
+    holes = dag.parent[child]
+    # Boundary points per row: piece starts/ends and hole starts/ends, in time order.
+    pr, ps, pe, pc = rows[cut], s[cut], e[cut], cat[cut]
+    k, h = len(pr), len(holes)
+    point_row = np.concatenate([pr, pr, holes, holes])
+    point_t = np.concatenate([ps, pe, start[child], end[child]])
+    depth = np.concatenate([np.zeros(2 * k, np.int64), np.ones(h, np.int64), -np.ones(h, np.int64)])
+    piece = np.concatenate([np.arange(k), np.full(k + 2 * h, -1)])
+    order = group_time_order(point_row, point_t, base[point_row], span)
+    point_row, point_t, depth, piece = point_row[order], point_t[order], depth[order], piece[order]
+    inside = np.cumsum(depth)                          # children open after each point
+    current = np.maximum.accumulate(np.where(piece >= 0, np.arange(len(piece)), -1))
+    active = piece[np.maximum(current, 0)]
+    seg = np.flatnonzero((point_row[:-1] == point_row[1:]) & (inside[:-1] == 0) & (current[:-1] >= 0))
+    p = active[seg]
+    seg_s, seg_e = point_t[seg], point_t[seg + 1]
+    ok = (p >= 0) & (seg_e > seg_s) & (seg_s >= ps[np.maximum(p, 0)]) & (seg_e <= pe[np.maximum(p, 0)])
+    seg, p = seg[ok], p[ok]
+    keep = ~cut
+    return (np.concatenate([rows[keep], pr[p]]), np.concatenate([s[keep], point_t[seg]]),
+            np.concatenate([e[keep], point_t[seg + 1]]), np.concatenate([cat[keep], pc[p]]))
+
+
+def _exclusive(group, s, e, cat, n_groups, base, span):
+    """ns per (group, category) with each instant counted once, for the highest-priority
+    category covering it (union measures of growing category sets)."""
+    out = np.zeros((n_groups, REMOTE + 1), dtype=np.int64)
+    if not len(group):
+        return out, np.zeros(n_groups, dtype=np.int64)
+    offset = group * (span + 1) - base
+    ks, ke = s + offset, e + offset          # groups occupy disjoint key ranges
+    order = np.argsort(ks, kind="stable")
+    ks, ke, g, rank = ks[order], ke[order], group[order], _RANK[cat[order]]
+    union = np.zeros(n_groups, dtype=np.int64)
+    for level, code in enumerate(_LEVELS):
+        if not (rank == level).any():
+            continue
+        m = rank <= level
+        a, b = ks[m], ke[m]
+        reach = np.maximum.accumulate(b)
+        covered = np.maximum(b - np.maximum(a, np.r_[_NEG, reach[:-1]]), 0)
+        now = np.rint(np.bincount(g[m], weights=covered, minlength=n_groups)).astype(np.int64)
+        out[:, code] = now - union
+        union = now
+    return out, union
+
+
+def _pipeline_rows(table: SpanTable) -> tuple[np.ndarray, dict]:
+    """Rows carrying pp.* attributes, and per trace the first such row's attributes."""
+    cand = np.flatnonzero(np.isin(table.kind, [Kind.COMPUTE, Kind.SEND, Kind.RECV, Kind.INTERNAL]))
+    stage = table.attr(sc.PP_STAGE, cand)
+    pp = cand[np.fromiter((v is not None for v in stage), dtype=bool, count=len(cand))]
+    first = {}
+    for r in pp.tolist():
+        first.setdefault(int(table.trace[r]), r)
+    return pp, first
+
+
+def _positive_int(value) -> int | None:
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
+def _pipeline_summary(table: SpanTable, first_row: int, pp_rows: np.ndarray, fractions: list) -> dict:
+    a = table.attributes[first_row]
+    stages = set(map(str, table.attr(sc.PP_STAGE, pp_rows)))
+    micro = {str(x) for x in table.attr(sc.PP_MICROBATCH, pp_rows) if x is not None}
+    v = _positive_int(a.get(sc.PP_STAGES_PER_RANK)) or max(1, len(stages) // max(len(fractions), 1))
+    num_stages = _positive_int(a.get(sc.PP_NUM_STAGES)) or len(stages)
+    m = _positive_int(a.get(sc.PP_NUM_MICROBATCHES)) or len(micro)
+    p = max(1, num_stages // v)
+    ideal = (p - 1) / (v * m + p - 1) if v * m + p - 1 > 0 else 0.0
+    return {"schedule": a.get(sc.PP_SCHEDULE), "stages": int(num_stages), "ranks": p,
+            "stages_per_rank": int(v), "microbatches": int(m),
+            "bubble_fraction": float(np.mean(fractions)) if fractions else 0.0,
+            "ideal_bubble_fraction": ideal}
+
+
+def attribute(table: SpanTable, alignment: Alignment, matches: Matches) -> Attribution:
+    """Stitch, find the critical paths, and attribute every trace of the table."""
+    dag = stitch(table, alignment, matches)
+    paths = critical_path.find(dag)
+    n, n_traces = len(table), len(table.trace_ids)
+    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+
+    group, n_groups = dense(table.trace, table.node)
+    first = np.unique(group, return_index=True)[1]
+    group_trace = table.trace[first].astype(np.int64)
+    group_node = table.node[first].astype(np.int64)
+    pp_rows, pp_first = _pipeline_rows(table)
+    group_pipeline = np.zeros(n_groups, dtype=bool)
+    group_pipeline[group[pp_rows]] = True
+
+    seg_cat, seg_row = _label_path(dag, paths, table.kind.astype(np.int64), group_pipeline[group])
+    critical = np.zeros((n_traces, REMOTE + 1), dtype=np.int64)
+    np.add.at(critical, (paths.trace, seg_cat), paths.end - paths.start)
+
+    # Each node's window: its own spans' extent; a pipeline rank's is the whole step.
+    lo = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(n_groups, _NEG, dtype=np.int64)
+    np.minimum.at(lo, group, start)
+    np.maximum.at(hi, group, end)
+    lo = np.where(group_pipeline, dag.trace_start[group_trace], lo)
+    hi = np.where(group_pipeline, dag.trace_end[group_trace], hi)
+    window = hi - lo
+    per_rank = _per_rank(table, dag, alignment.error.astype(np.int64), group, group_trace, group_pipeline, window)
+
+    waits, join_wait, join_transfer = _waits(table, dag, start, end)
+    ops = sorted(set(matches.coll_op))
+    op_id = {op: i for i, op in enumerate(ops)}
+    op_of_join = np.array([op_id[matches.coll_op[i]] for i in dag.join_instance.tolist()], dtype=np.int64)
+
+    pipelines = {}
+    for tr, first_row in pp_first.items():
+        groups = np.flatnonzero(group_pipeline & (group_trace == tr))
+        fractions = (per_rank[groups, C["bubble"]] / np.maximum(window[groups], 1)).tolist()
+        pipelines[tr] = _pipeline_summary(table, first_row, pp_rows[table.trace[pp_rows] == tr], fractions)
+    return Attribution(dag, paths, matches, seg_cat, seg_row, critical, group, group_trace, group_node,
+                       group_pipeline, window, per_rank, waits, ops, op_of_join, join_wait, join_transfer, pipelines)
+
+
+def _per_rank(table: SpanTable, dag: Dag, error, group, group_trace, group_pipeline, window) -> np.ndarray:
+    """(groups, categories + 1) ns: every instant of each node's window once."""
+    n = dag.n_rows
+    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+    span = int((dag.trace_end - dag.trace_start).max()) if len(dag.trace_start) else 0
+    rows, s, e, cat = pieces(table, dag, start, end, error)
+    rows, s, e, cat = _minus_children(table, dag, rows, s, e, cat, dag.trace_start[table.trace], span)
+    on_pipeline = group_pipeline[group[rows]]
+    cat = np.where(on_pipeline & (cat == C["p2p.wait"]), GAP, cat)   # waiting for a neighbour stage
+    cat = _resolve(cat, on_pipeline)
+    g = group[rows]
+    per_rank, covered = _exclusive(g, s, e, cat, len(window), dag.trace_start[group_trace[g]], span)
+    gap = np.maximum(window - covered, 0)
+    per_rank[np.arange(len(window)), np.where(group_pipeline, C["bubble"], C["host.overhead"])] += gap
+    return per_rank
+
+
+def _waits(table: SpanTable, dag: Dag, start, end):
+    """Who made whom wait: per collective join and per point-to-point pair."""
+    cause = np.where(dag.prev >= 0, dag.prev, dag.parent)
+    members = np.flatnonzero(dag.join >= 0)
+    j = dag.join[members]
+    n_joins = len(dag.join_time)
+    wait = np.clip(dag.join_time[j], start[members], end[members]) - start[members]
+    wait = np.where(dag.waits_for_join[members], wait, 0)
+    join_wait = np.bincount(j, weights=wait, minlength=n_joins)
+    join_transfer = np.bincount(j, weights=end[members] - start[members], minlength=n_joins) - join_wait
+    # Lateness: how much later the last entry came than the one before it (entries that join).
+    entered = start[members] <= dag.join_time[j]
+    other = entered & (members != dag.join_last[j])
+    second = np.full(n_joins, _NEG, dtype=np.int64)
+    np.maximum.at(second, j[other], start[members[other]])
+    waiting = np.bincount(j[wait > 0], minlength=n_joins)
+    late = dag.join_last
+    lateness = np.where(second > _NEG, dag.join_time - second, 0)
+
+    # Point-to-point, each side: a receive waits for a late send, a send for a late receive.
+    sides = np.flatnonzero(((table.kind == Kind.SEND) | (table.kind == Kind.RECV)) & (dag.partner >= 0))
+    other = dag.partner[sides]
+    p2p_wait = np.clip(start[other], start[sides], end[sides]) - start[sides]
+    hit = p2p_wait > 0
+    sides, other, p2p_wait = sides[hit], other[hit], p2p_wait[hit]
+
+    trace = np.concatenate([dag.join_trace, table.trace[other].astype(np.int64)])
+    late_row = np.concatenate([late, other])
+    keep = np.concatenate([join_wait > 0, np.ones(len(other), dtype=bool)])
+    waits = Waits(
+        trace=trace[keep], is_collective=np.r_[np.ones(n_joins, bool), np.zeros(len(other), bool)][keep],
+        late_row=late_row[keep], cause_row=cause[late_row][keep] if len(late_row) else late_row,
+        cost_ns=np.rint(np.r_[join_wait, p2p_wait]).astype(np.int64)[keep],
+        lateness_ns=np.r_[lateness, p2p_wait].astype(np.int64)[keep],
+        waiting=np.r_[waiting, np.ones(len(other), np.int64)][keep],
+        join=np.r_[np.arange(n_joins), np.full(len(other), -1)][keep].astype(np.int64))
+    return waits, np.rint(join_wait).astype(np.int64), np.rint(join_transfer).astype(np.int64)
+
+
+__all__ = ["CATEGORIES", "REMOTE", "Attribution", "Waits", "attribute", "pieces"]

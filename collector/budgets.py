@@ -1,0 +1,213 @@
+"""Latency budgets: limits on spans or attribution categories, checked across traces.
+
+A budget file is TOML; each [[budget]] table is one limit:
+
+    [[budget]]                    # edge.preprocess p99 <= 5ms
+    span = "preprocess"           # spans of this name (a glob) ...
+    node = "edge*"                # ... on nodes whose node id or role matches (glob; optional)
+    percentile = 99
+    max = "5ms"
+
+    [[budget]]                    # network.uplink p95 <= 20ms
+    category = "network.uplink"   # one of the attribution categories (DESIGN.md)
+    percentile = 95
+    max = "20ms"
+
+    [[budget]]                    # collective.wait <= 10% of step
+    category = "collective.wait"
+    traces = "step"               # only traces whose name matches (a glob; default: all)
+    max = "10%"                   # a share of each trace's duration
+
+    [[budget]]                    # the whole request p99 <= 120ms
+    traces = "request"
+    percentile = 99
+    max = "120ms"
+
+Keys: `max` (required): a time ("800ns", "250us", "5ms", "1.5s") or a share of the trace
+("10%"). `percentile` (default 100, i.e. every sample must hold; the value reported is the
+smallest sample at or above that rank, never an interpolation). `name` (optional label).
+What is measured, one sample each:
+  - `span`: every matching span, its duration on the aligned timeline;
+  - `category`: every trace, the time in that category; `measure` says where:
+    "critical_path" (the default), "worst_rank" or "mean_rank" (the per-rank breakdown).
+    collective.wait, p2p.wait and bubble default to "worst_rank": by construction, waiting
+    is never on the critical path (the path runs through whoever was late);
+  - neither: every trace, its duration.
+A budget that matches no span or trace fails, so that a typo cannot pass a CI gate.
+"""
+import dataclasses
+import fnmatch
+import re
+import tomllib
+
+import numpy as np
+
+from .attribution import CATEGORIES, Attribution
+from .spantable import SpanTable
+
+MEASURES = ("critical_path", "worst_rank", "mean_rank")
+OFF_PATH = ("collective.wait", "p2p.wait", "bubble")     # measured per rank unless told otherwise
+_KEYS = {"name", "span", "node", "category", "traces", "measure", "percentile", "max"}
+_TIME = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s)\s*$")
+_SHARE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+_UNIT = {"ns": 1, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9}
+
+
+class BudgetError(ValueError):
+    """A budget file that cannot be used, with where and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    name: str
+    limit: float            # ns, or a fraction of the trace when `share`
+    share: bool
+    percentile: float
+    span: str | None = None
+    node: str | None = None
+    category: str | None = None
+    traces: str | None = None
+    measure: str = "critical_path"
+
+    @property
+    def rule(self) -> str:
+        what = self.span if self.span else self.category or "duration"
+        if self.span and self.node:
+            what = f"{self.node}.{what}"
+        p = "" if self.percentile == 100 else f" p{self.percentile:g}"
+        limit = f"{self.limit * 100:g}%" if self.share else format_ns(self.limit)
+        scope = f" of {self.traces}" if self.traces and self.share else (f" in {self.traces}" if self.traces else "")
+        how = f" ({self.measure})" if self.category and self.measure != "critical_path" else ""
+        return f"{what}{p} <= {limit}{scope}{how}"
+
+
+def format_ns(ns: float) -> str:
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.4g}{unit}"
+    return f"{ns:.0f}ns"
+
+
+def parse_limit(text) -> tuple[float, bool]:
+    """("5ms" -> (5e6, False)), ("10%" -> (0.1, True))."""
+    if isinstance(text, str):
+        if m := _TIME.match(text):
+            return float(m.group(1)) * _UNIT[m.group(2)], False
+        if m := _SHARE.match(text):
+            return float(m.group(1)) / 100, True
+    raise ValueError(f"max = {text!r}: expected a time like \"5ms\", \"250us\", \"1.5s\" or a share like \"10%\"")
+
+
+def parse(doc: dict, source: str = "budget file") -> list[Budget]:
+    entries = doc.get("budget")
+    unknown = set(doc) - {"budget"}
+    if unknown or not isinstance(entries, list) or not entries:
+        raise BudgetError(f"{source}: expected one or more [[budget]] tables"
+                          + (f" (unknown top-level keys: {', '.join(sorted(unknown))})" if unknown else ""))
+    out = []
+    for i, entry in enumerate(entries, 1):
+        where = f"{source}: budget #{i}" + (f" ({entry['name']})" if isinstance(entry.get("name"), str) else "")
+        try:
+            out.append(_one(entry))
+        except (ValueError, TypeError) as exc:
+            raise BudgetError(f"{where}: {exc}") from None
+    return out
+
+
+def _one(entry: dict) -> Budget:
+    unknown = set(entry) - _KEYS
+    if unknown:
+        raise ValueError(f"unknown keys {', '.join(sorted(unknown))}; known: {', '.join(sorted(_KEYS))}")
+    if "max" not in entry:
+        raise ValueError("missing max (a time like \"5ms\" or a share like \"10%\")")
+    for key in ("name", "span", "node", "category", "traces", "measure"):
+        if key in entry and not isinstance(entry[key], str):
+            raise ValueError(f"{key} must be a string")
+    limit, share = parse_limit(entry["max"])
+    percentile = entry.get("percentile", 100)
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+        raise ValueError(f"percentile = {percentile!r}: expected a number in (0, 100]")
+    span, category = entry.get("span"), entry.get("category")
+    if span and category:
+        raise ValueError("give span or category, not both")
+    if category is not None and category not in CATEGORIES:
+        raise ValueError(f"category = {category!r}: expected one of {', '.join(CATEGORIES)}")
+    if "node" in entry and not span:
+        raise ValueError("node only applies to a span budget")
+    measure = entry.get("measure", "worst_rank" if category in OFF_PATH else "critical_path")
+    if measure not in MEASURES:
+        raise ValueError(f"measure = {measure!r}: expected one of {', '.join(MEASURES)}")
+    if "measure" in entry and not category:
+        raise ValueError("measure only applies to a category budget")
+    budget = Budget(name="", limit=limit, share=share, percentile=float(percentile), span=span,
+                    node=entry.get("node"), category=category, traces=entry.get("traces"), measure=measure)
+    return dataclasses.replace(budget, name=entry.get("name") or budget.rule)
+
+
+def load(path: str) -> list[Budget]:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise BudgetError(f"{path}: not valid TOML: {exc}") from None
+    return parse(doc, path)
+
+
+def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -> tuple[np.ndarray, list[str]]:
+    """(values, trace id per value) of one budget."""
+    chosen = [t for t in traces if b.traces is None or fnmatch.fnmatchcase(t["name"], b.traces)]
+    if b.span is None:
+        values, ids = [], []
+        for t in chosen:
+            duration = t["duration_ns"]
+            if b.category is None:
+                value = duration
+            elif b.measure == "critical_path":
+                value = t["attribution"][b.category]
+            else:
+                per_rank = [r["attribution"][b.category] for r in t["per_rank"].values()] or [0]
+                value = max(per_rank) if b.measure == "worst_rank" else sum(per_rank) / len(per_rank)
+            values.append(value / max(duration, 1) if b.share else value)
+            ids.append(t["trace_id"])
+        return np.asarray(values, dtype=np.float64), ids
+    names = np.array([fnmatch.fnmatchcase(n, b.span) for n in table.names], dtype=bool)
+    nodes = np.array([b.node is None or fnmatch.fnmatchcase(r.node_id, b.node) or fnmatch.fnmatchcase(r.role, b.node)
+                      for r in table.resources], dtype=bool)
+    index = {trace_id: i for i, trace_id in enumerate(table.trace_ids)}
+    wanted = [index[t["trace_id"]] for t in chosen] if b.traces else None
+    rows = np.flatnonzero(names[table.name] & nodes[table.node]) if len(table) else np.empty(0, np.int64)
+    if wanted is not None:
+        rows = rows[np.isin(table.trace[rows], wanted)]
+    n = len(table)
+    duration = (at.dag.time[1:2 * n:2] - at.dag.time[0:2 * n:2])[rows].astype(np.float64)
+    if b.share:
+        trace = table.trace[rows]
+        duration = duration / np.maximum(at.dag.trace_end[trace] - at.dag.trace_start[trace], 1)
+    return duration, [table.trace_ids[i] for i in table.trace[rows].tolist()]
+
+
+def evaluate(budgets: list[Budget], traces: list[dict], table: SpanTable, at: Attribution, worst: int = 3) -> list[dict]:
+    """Each budget with its measured value at its percentile, whether it holds, and the
+    traces with the worst samples."""
+    out = []
+    for b in budgets:
+        values, ids = _samples(b, traces, table, at)
+        entry = {"name": b.name, "rule": b.rule, "unit": "share" if b.share else "ns", "limit": b.limit,
+                 "percentile": b.percentile, "samples": int(len(values)), "measured": None, "ok": False,
+                 "status": "no_data", "worst": []}
+        if len(values):
+            measured = float(np.percentile(values, b.percentile, method="higher"))
+            top = np.argsort(-values, kind="stable")[:worst]
+            ok = measured <= b.limit
+            entry.update(measured=measured if b.share else round(measured), ok=bool(ok),
+                         status="ok" if ok else "violated",
+                         worst=[{"trace_id": ids[i], "value": float(values[i]) if b.share else int(values[i])}
+                                for i in top.tolist()])
+        out.append(entry)
+    return out
+
+
+def format_value(entry: dict, value) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 100:.3g}%" if entry["unit"] == "share" else format_ns(value)

@@ -1,0 +1,264 @@
+"""Stitching: every trace as one DAG over span boundaries, with typed edges.
+
+Events: span row i has a start event 2i and an end event 2i+1; each collective instance
+within a trace (a join) has one more event, at the moment its last participant entered.
+An edge a -> b says "a happened before b, and b may have waited for it":
+
+  SPAN          a span's start -> its end
+  THREAD        program order: each boundary -> the next one on the same (node, thread);
+                a thread passes its span starts and ends one after the other, nested or
+                not (an async op's end, its wait(), comes after the work done meanwhile)
+  CHILD_START   parent start -> child start;   CHILD_END: child end -> parent end
+                (for a child on another thread or node; on the same thread, THREAD says it)
+  RPC_REQUEST   client start -> server start;  RPC_RESPONSE: server end -> client end
+  MESSAGE       send start -> receive end
+  JOIN          a participant's start -> the collective's join (the last entry releases it)
+  COMPLETE      the join -> a participant's end
+
+Who joins and who is released depends on the collective (Scalasca's wait-state patterns):
+N x N ops (all_reduce, all_gather, reduce_scatter, all_to_all, barrier): everyone's entry
+joins, everyone waits for the last; ONE_TO_ALL ops: only the root's entry joins, so the
+others wait for the root ("late broadcast"); ALL_TO_ONE ops: everyone's entry joins and
+only the root waits ("early reduce"). Without a known root they count as N x N.
+
+All of it is built with array operations over the SpanTable (all traces at once).
+Edges only join spans of the same trace; a partner that is missing, or recorded under
+another trace, is listed in `unmatched` and its span stays in the DAG without the edge.
+"""
+import dataclasses
+from enum import IntEnum
+
+import numpy as np
+
+from ..proto import semconv as sc
+from ..proto.semconv import Kind
+from .align import Alignment
+from .matching import Matches
+from .spantable import SpanTable
+
+
+ONE_TO_ALL = ("broadcast", "scatter")
+ALL_TO_ONE = ("reduce", "gather")
+
+
+class Edge(IntEnum):
+    """Edge types; on equal times the critical path prefers the higher value."""
+    SPAN = 0
+    THREAD = 1
+    CHILD_START = 2
+    CHILD_END = 3
+    RPC_REQUEST = 4
+    RPC_RESPONSE = 5
+    MESSAGE = 6
+    JOIN = 7
+    COMPLETE = 8
+
+
+@dataclasses.dataclass
+class Dag:
+    n_rows: int
+    time: np.ndarray          # int64 per event, aligned ns
+    error: np.ndarray         # int64 per event, clock error bound
+    node: np.ndarray          # int32 per event (a join: its last participant's node)
+    trace: np.ndarray         # int32 per event
+    src: np.ndarray           # int64 per edge
+    dst: np.ndarray           # int64 per edge
+    edge: np.ndarray          # uint8 per edge (Edge)
+    parent: np.ndarray        # per row: parent row in the same trace, -1
+    prev: np.ndarray          # per row: the span that ended last before it started on its thread, -1
+    lane: np.ndarray          # per row: its (trace, node, thread)
+    partner: np.ndarray       # per row: the other side of a send/recv or RPC in the same trace, -1
+    join: np.ndarray          # per row: join index of a collective participant, -1
+    waits_for_join: np.ndarray  # per row: a participant released by its join (not only by itself)
+    join_time: np.ndarray     # per join: last entry (aligned ns)
+    join_last: np.ndarray     # per join: row of the last participant to enter
+    join_instance: np.ndarray  # per join: collective instance in Matches
+    join_trace: np.ndarray    # per join
+    trace_start: np.ndarray   # per trace: first event (aligned ns)
+    trace_end: np.ndarray     # per trace: last event
+    unmatched: dict           # name -> rows whose partner is missing from their trace
+
+    @property
+    def n_events(self) -> int:
+        return len(self.time)
+
+    def row_of(self, events: np.ndarray) -> np.ndarray:
+        """Span row of each event; a join event maps to its last participant."""
+        events = np.asarray(events, dtype=np.int64)
+        rows = events >> 1
+        joins = events >= 2 * self.n_rows
+        if joins.any():
+            rows[joins] = self.join_last[events[joins] - 2 * self.n_rows]
+        return rows
+
+
+def group_time_order(group: np.ndarray, time: np.ndarray, group_base: np.ndarray, span: int) -> np.ndarray:
+    """Stable order by (group, time). `group_base` is each entry's earliest possible time and
+    `span` bounds time - group_base, so one int64 key usually does (a lexsort otherwise)."""
+    group = np.asarray(group, dtype=np.int64)
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    if n_groups * (span + 1) < (1 << 62):
+        return np.argsort(group * (span + 1) + (time - group_base), kind="stable")
+    return np.lexsort((time, group))
+
+
+def dense(*columns: np.ndarray) -> tuple[np.ndarray, int]:
+    """Dense ids (0..k-1) of the distinct combinations of integer columns, and k."""
+    ids, k = np.zeros(len(columns[0]), dtype=np.int64), 1
+    if not len(ids):
+        return ids, 0
+    for col in columns:
+        _, inv = np.unique(col, return_inverse=True)
+        values, ids = np.unique(ids * (int(inv.max()) + 1) + inv.reshape(-1), return_inverse=True)
+        ids, k = ids.reshape(-1), len(values)
+    return ids, k
+
+
+def _parents(table: SpanTable) -> np.ndarray:
+    """Row of each span's parent within the same trace, -1 if none or missing."""
+    n = len(table)
+    parent = np.full(n, -1, dtype=np.int64)
+    if not n:
+        return parent
+    ids, rank = np.unique(table.span_id, return_inverse=True)
+    trace = table.trace.astype(np.int64)
+    key = trace * len(ids) + rank.reshape(-1)
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    pos = np.minimum(np.searchsorted(ids, table.parent_id), len(ids) - 1)
+    known = (table.parent_id != 0) & (ids[pos] == table.parent_id)
+    query = trace * len(ids) + pos
+    at = np.minimum(np.searchsorted(sorted_key, query), n - 1)
+    found = known & (sorted_key[at] == query)
+    parent[found] = order[at[found]]
+    parent[parent == np.arange(n)] = -1
+    return parent
+
+
+def _thread_order(table: SpanTable, start, end, trace_start, span: int):
+    """Every lane's (trace, node, thread) boundaries in the order the thread passed them:
+    by time; at equal times ends before starts, an outer span's start before an inner one's,
+    an inner span's end before an outer one's. Returns (events in that order, whether each
+    is followed by one of the same lane, lane per row, prev per row: the span that ended
+    last at or before the row's start on its lane, -1)."""
+    n = len(table)
+    lane, _ = dense(table.trace, table.node, table.thread)
+    rows = np.arange(n, dtype=np.int64)
+    events = np.concatenate([2 * rows + 1, 2 * rows])            # ends, then starts
+    lanes = np.concatenate([lane, lane])
+    is_start = np.repeat(np.array([0, 1], dtype=np.int64), n)
+    tie = np.argsort(np.concatenate([-start, -end]), kind="stable")   # ends: inner first; starts: outer first
+    key = np.concatenate([end, start]) * 2 + is_start
+    base = np.concatenate([trace_start[table.trace]] * 2) * 2
+    order = tie[group_time_order(lanes[tie], key[tie], base[tie], 2 * span + 1)]
+    events, lanes, is_start = events[order], lanes[order], is_start[order]
+    same_lane_next = lanes[:-1] == lanes[1:]
+    last_end = np.maximum.accumulate(np.where(is_start == 0, np.arange(2 * n), -1))
+    starts = np.flatnonzero(is_start == 1)
+    cand = last_end[starts]
+    ok = cand >= 0
+    start_rows, end_rows = events[starts[ok]] >> 1, events[cand[ok]] >> 1
+    same = lane[start_rows] == lane[end_rows]
+    prev = np.full(n, -1, dtype=np.int64)
+    prev[start_rows[same]] = end_rows[same]
+    return events, same_lane_next, lane, prev
+
+
+def _collective_roles(table: SpanTable, matches: Matches, join_key: np.ndarray, n_joins: int):
+    """Per collective participant (matches.coll_rows order): does its entry join, and does
+    the join release it? A rooted op whose root is not among its participants in this
+    trace counts as N x N."""
+    members = matches.coll_rows
+    op = np.array([o.lower() for o in matches.coll_op], dtype=object)[matches.coll_instance] \
+        if len(members) else np.empty(0, dtype=object)
+    one_to_all, all_to_one = np.isin(op, ONE_TO_ALL), np.isin(op, ALL_TO_ONE)
+    rank = table.rank_of_node[table.node[members]] if len(table.resources) else np.full(len(members), -1)
+    roots = table.attr(sc.COLL_ROOT, members)
+    is_root = np.array([r is not None and r == k for r, k in zip(roots, rank.tolist())], dtype=bool)
+    has_root = np.zeros(n_joins, dtype=bool)
+    has_root[join_key[is_root]] = True
+    rooted = has_root[join_key]
+    joins = ~(one_to_all & rooted) | is_root
+    released = ~(all_to_one & rooted) | is_root
+    return joins, released
+
+
+def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
+    n = len(table)
+    trace = table.trace.astype(np.int64)
+    n_traces = len(table.trace_ids)
+    start = alignment.start.astype(np.int64)
+    end = np.maximum(alignment.end.astype(np.int64), start)
+    trace_start = np.full(n_traces, np.iinfo(np.int64).max, dtype=np.int64)
+    trace_end = np.full(n_traces, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(trace_start, trace, start)
+    np.maximum.at(trace_end, trace, end)
+    span = int((trace_end - trace_start).max()) if n else 0
+
+    parent = _parents(table)
+    order, same_lane_next, lane, prev = _thread_order(table, start, end, trace_start, span)
+    rows = np.arange(n, dtype=np.int64)
+    S, E = 2 * rows, 2 * rows + 1
+    src, dst, kinds = [S], [E], [np.full(n, Edge.SPAN, np.uint8)]
+
+    def add(a, b, edge):
+        src.append(a)
+        dst.append(b)
+        kinds.append(np.full(len(a), edge, np.uint8))
+
+    add(order[:-1][same_lane_next], order[1:][same_lane_next], Edge.THREAD)
+    # Parent/child across threads and nodes; an RPC server under its client is the
+    # request and the response.
+    is_rpc = np.zeros(n, dtype=bool)
+    is_rpc[matches.rpc[:, 1]] = True
+    child = np.flatnonzero((parent >= 0) & ~is_rpc)
+    child = child[lane[child] != lane[parent[child]]]
+    add(S[parent[child]], S[child], Edge.CHILD_START)
+    add(E[child], E[parent[child]], Edge.CHILD_END)
+    client, server = matches.rpc[:, 0], matches.rpc[:, 1]
+    add(S[client], S[server], Edge.RPC_REQUEST)
+    add(E[server], E[client], Edge.RPC_RESPONSE)
+
+    partner = np.full(n, -1, dtype=np.int64)
+    partner[client], partner[server] = server, client
+    p2p = matches.p2p
+    same = trace[p2p[:, 0]] == trace[p2p[:, 1]]
+    send, recv = p2p[same, 0], p2p[same, 1]
+    partner[send], partner[recv] = recv, send
+    add(S[send], E[recv], Edge.MESSAGE)
+
+    # Collectives: one join per (instance, trace).
+    members, instance = matches.coll_rows, matches.coll_instance
+    join_key, n_joins = dense(instance, trace[members]) if len(members) else (members, 0)
+    join = np.full(n, -1, dtype=np.int64)
+    join[members] = join_key
+    joins, released = _collective_roles(table, matches, join_key, n_joins)
+    join_time = np.full(n_joins, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(join_time, join_key[joins], start[members[joins]])
+    last = joins & (start[members] == join_time[join_key])
+    join_last = np.full(n_joins, -1, dtype=np.int64)
+    join_last[join_key[last]] = members[last]
+    join_instance = np.zeros(n_joins, dtype=np.int64)
+    join_instance[join_key] = instance
+    join_trace = np.zeros(n_joins, dtype=np.int64)
+    join_trace[join_key] = trace[members]
+    J = 2 * n + join_key
+    add(S[members[joins]], J[joins], Edge.JOIN)
+    add(J[released], E[members[released]], Edge.COMPLETE)
+    waits_for_join = np.zeros(n, dtype=bool)
+    waits_for_join[members[released]] = True
+
+    time = np.concatenate([np.stack([start, end], axis=1).reshape(-1), join_time])
+    error = np.repeat(alignment.error.astype(np.int64), 2)
+    node = np.repeat(table.node.astype(np.int32), 2)
+    error = np.concatenate([error, alignment.error[join_last].astype(np.int64)])
+    node = np.concatenate([node, table.node[join_last].astype(np.int32)])
+    trace_ev = np.concatenate([np.repeat(table.trace.astype(np.int32), 2), join_trace.astype(np.int32)])
+
+    unmatched = dict(matches.unmatched)
+    split = np.bincount(join_instance, minlength=matches.n_collectives) > 1
+    unmatched["cross_trace"] = np.union1d(p2p[~same].reshape(-1), members[split[instance]]).astype(np.int64)
+    unmatched["parent"] = np.flatnonzero((table.parent_id != 0) & (parent < 0) & (table.kind != Kind.RPC_SERVER))
+    return Dag(n, time, error, node, trace_ev, np.concatenate(src), np.concatenate(dst), np.concatenate(kinds),
+               parent, prev, lane, partner, join, waits_for_join, join_time, join_last, join_instance,
+               join_trace, trace_start, trace_end, unmatched)

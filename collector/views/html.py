@@ -1,0 +1,234 @@
+"""The report as one self-contained HTML page (inline SVG, CSS and a few lines of script;
+nothing loaded from elsewhere).
+
+It shows: budget status; timelines of the slowest and of a typical (median) trace with
+one lane per node, spans stacked by nesting depth, collective/p2p/RPC spans split into
+their wait, transfer and network parts, and the critical path drawn over the lanes;
+stacked attribution bars per trace (critical path) and per rank (slowest trace).
+Clicking a legend entry hides or shows that category.
+"""
+import html
+
+import numpy as np
+
+from ...proto.semconv import Kind
+from .. import attribution
+from .terminal import fmt_ns
+
+NAMES = attribution.CATEGORIES + ("remote",)
+COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
+           "collective.wait": "#e15759", "collective.transfer": "#ff9d9a", "p2p.wait": "#b07aa1",
+           "p2p.transfer": "#d4a6c8", "bubble": "#edc948", "host.overhead": "#bab0ac",
+           "clock.uncertainty": "#9c755f", "remote": "#e6e6e6"}
+_KIND_CATEGORY = {Kind.COMPUTE: "compute", Kind.DATA: "data", Kind.COLLECTIVE: "collective.transfer",
+                  Kind.SEND: "p2p.transfer", Kind.RECV: "p2p.transfer", Kind.RPC_CLIENT: "remote",
+                  Kind.RPC_SERVER: "host.overhead", Kind.INTERNAL: "host.overhead"}
+WIDTH, LABEL, ROW, MAX_DEPTH = 1100, 170, 14, 6
+
+STYLE = """
+body{font:13px system-ui,sans-serif;margin:20px;color:#222;max-width:1200px}
+h1{font-size:20px}h2{font-size:16px;margin-top:28px}
+table{border-collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:left}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.ok{color:#2a7d2a;font-weight:600}.violated,.no_data{color:#c0392b;font-weight:600}
+.legend span{display:inline-block;margin:2px 10px 2px 0;cursor:pointer;user-select:none}
+.legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
+.legend .off{opacity:.35}.hidden{display:none}
+svg text{font:11px system-ui,sans-serif}.lane-label{font-weight:600}
+.critical{fill:none;stroke:#111;stroke-width:2.5}
+"""
+SCRIPT = """
+document.querySelectorAll('.legend span').forEach(function (item) {
+  item.addEventListener('click', function () {
+    var cls = item.dataset.cat, off = item.classList.toggle('off');
+    document.querySelectorAll('.' + cls).forEach(function (el) { el.classList.toggle('hidden', off); });
+  });
+});
+"""
+
+
+def _kind(code: int) -> Kind:
+    return Kind(code) if code in Kind._value2member_map_ else Kind.INTERNAL
+
+
+def _cls(category: str) -> str:
+    return "cat-" + category.replace(".", "-")
+
+
+def _rect(x, y, w, h, category, title, extra=""):
+    return (f'<rect class="{_cls(category)}" x="{x:.2f}" y="{y:.1f}" width="{max(w, 0.5):.2f}" height="{h}" '
+            f'fill="{COLOURS[category]}"{extra}><title>{html.escape(title)}</title></rect>')
+
+
+def _legend() -> str:
+    items = "".join(f'<span data-cat="{_cls(c)}"><i style="background:{COLOURS[c]}"></i>{c}</span>' for c in NAMES)
+    return f'<div class="legend">{items}</div>'
+
+
+def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
+    """A stacked bar of category -> ns, scaled so that `total` ns is `width` px."""
+    x, parts = 0.0, []
+    for name in NAMES:
+        v = values.get(name, 0)
+        if v <= 0:
+            continue
+        w = v / max(total, 1) * width
+        parts.append(_rect(x, 0, w, height, name, f"{name}: {fmt_ns(v)}"))
+        x += w
+    return f'<svg width="{width + 2:.0f}" height="{height}">{"".join(parts)}</svg>'
+
+
+def _timeline(trace: dict, index: int, analysed, at) -> str:
+    """One trace: a lane per node, spans by nesting depth, the critical path on top."""
+    t, dag, paths = analysed.table, at.dag, at.paths
+    n = len(t)
+    rows = np.flatnonzero(t.trace == index)
+    t0, duration = trace["start_ns"], max(trace["duration_ns"], 1)
+    scale = (WIDTH - LABEL - 10) / duration
+    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+
+    depth = np.zeros(len(rows), dtype=np.int64)
+    parent = dag.parent[rows]
+    while (parent >= 0).any():
+        same_node = (parent >= 0) & (t.node[np.maximum(parent, 0)] == t.node[rows])
+        depth += same_node
+        parent = np.where(same_node, dag.parent[np.maximum(parent, 0)], -1)
+    depth = np.minimum(depth, MAX_DEPTH - 1)
+    nodes = sorted(set(t.node[rows].tolist()), key=lambda k: (t.resources[k].rank < 0, t.resources[k].rank, t.nodes[k]))
+    lane_height = {k: (int(depth[t.node[rows] == k].max()) + 1) * ROW + 8 for k in nodes}
+    top, y = {}, 26
+    for k in nodes:
+        top[k] = y
+        y += lane_height[k]
+    height = y + 24
+
+    def x_of(ns):
+        return LABEL + (ns - t0) * scale
+
+    parts = [f'<text x="4" y="16" class="lane-label">critical path</text>']
+    for k in nodes:
+        r = t.resources[k]
+        label = t.nodes[k] + (f" (rank {r.rank})" if r.rank >= 0 else "")
+        parts.append(f'<g class="lane" data-node="{html.escape(t.nodes[k])}">'
+                     f'<rect x="0" y="{top[k] - 2}" width="{WIDTH}" height="{lane_height[k] - 2}" fill="#f7f7f7"/>'
+                     f'<text x="4" y="{top[k] + 11}" class="lane-label">{html.escape(label[:26])}</text></g>')
+    for r, d in zip(rows.tolist(), depth.tolist()):
+        kind = _kind(int(t.kind[r]))
+        y0 = top[int(t.node[r])] + d * ROW
+        title = f"{t.names[t.name[r]]} ({kind.name.lower()}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
+        category = _KIND_CATEGORY[kind]
+        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, category, title,
+                           ' stroke="#fff" stroke-width="0.5"'))
+    # Split spans: the wait, transfer and network parts drawn over their spans.
+    p_rows, s, e, cat = attribution.pieces(t, dag, start, end, at.dag.error[0:2 * n:2])
+    mine = np.isin(p_rows, rows)
+    depth_of = dict(zip(rows.tolist(), depth.tolist()))
+    for r, a, b, c in zip(p_rows[mine].tolist(), s[mine].tolist(), e[mine].tolist(), cat[mine].tolist()):
+        name = NAMES[c]
+        y0 = top[int(t.node[r])] + depth_of[r] * ROW + 3
+        parts.append(_rect(x_of(a), y0, (b - a) * scale, ROW - 8, name, f"{name}: {fmt_ns(b - a)} in {t.names[t.name[r]]}"))
+    # The critical path: a strip on top, and a line through the lanes it visits.
+    lo, hi = paths.bounds[index], paths.bounds[index + 1]
+    points = []
+    for k in range(lo, hi):
+        a, b = int(paths.start[k]), int(paths.end[k])
+        name = NAMES[at.segment_category[k]]
+        node = int(dag.node[paths.dst[k]])
+        span = at.segment_row[k]
+        label = f"{name}: {fmt_ns(b - a)}" + (f" in {t.names[t.name[span]]}" if span >= 0 else "") + f" on {t.nodes[node]}"
+        if b > a:
+            parts.append(_rect(x_of(a), 6, (b - a) * scale, 12, name, label))
+        yy = top[node] + lane_height[node] - 6
+        points += [(x_of(a), yy), (x_of(b), yy)]
+    if points:
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        parts.append(f'<polyline class="critical" points="{path}"><title>critical path</title></polyline>')
+    for i in range(6):
+        ns = duration * i / 5
+        anchor = "end" if i == 5 else "middle"
+        parts.append(f'<text x="{LABEL + ns * scale:.1f}" y="{height - 6}" text-anchor="{anchor}">{fmt_ns(ns)}</text>')
+    return (f'<svg class="timeline" width="{WIDTH}" height="{height}" data-trace="{trace["trace_id"]}">'
+            f'{"".join(parts)}</svg>')
+
+
+def _budgets(report: dict) -> str:
+    from ..budgets import format_value
+
+    if not report.get("budgets"):
+        return "<p>No budgets given (<code>--budget FILE</code>).</p>"
+    rows = []
+    for b in report["budgets"]:
+        worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(b, w['value'])})" for w in b["worst"]) or "-"
+        rows.append(f'<tr><td>{html.escape(b["name"])}</td><td>{html.escape(b["rule"])}</td>'
+                    f'<td class="num">{format_value(b, b["measured"])}</td><td class="num">{format_value(b, b["limit"])}</td>'
+                    f'<td class="num">{b["samples"]}</td><td class="{b["status"]}">{b["status"].replace("_", " ")}</td>'
+                    f'<td>{html.escape(worst)}</td></tr>')
+    return ("<table><tr><th>budget</th><th>rule</th><th>measured</th><th>limit</th><th>samples</th>"
+            f"<th>status</th><th>worst traces</th></tr>{''.join(rows)}</table>")
+
+
+def _trace_bars(traces: list[dict], limit: int = 40) -> str:
+    slowest = sorted(traces, key=lambda tr: -tr["duration_ns"])[:limit]
+    longest = max((tr["duration_ns"] for tr in slowest), default=1)
+    rows = []
+    for tr in slowest:
+        values = {**tr["attribution"], "remote": tr.get("remote_ns", 0)}
+        rows.append(f'<tr><td><code>{tr["trace_id"][:16]}</code></td><td>{html.escape(tr["name"])}</td>'
+                    f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>'
+                    f'<td>{_bar(values, longest, 600 * tr["duration_ns"] / max(longest, 1) if longest else 0)}</td></tr>')
+    return ("<table><tr><th>trace</th><th>name</th><th>duration</th><th>critical path by category</th></tr>"
+            f"{''.join(rows)}</table>")
+
+
+def _rank_bars(trace: dict) -> str:
+    ranks = sorted(trace["per_rank"].items(), key=lambda kv: (kv[1]["rank"] < 0, kv[1]["rank"], kv[0]))
+    longest = max((v["window_ns"] for _, v in ranks), default=1)
+    rows = []
+    for node, v in ranks:
+        values = {**v["attribution"], "remote": v.get("remote_ns", 0)}
+        rows.append(f'<tr><td>{html.escape(node)}</td><td class="num">{v["rank"]}</td>'
+                    f'<td class="num">{fmt_ns(v["window_ns"])}</td>'
+                    f'<td>{_bar(values, longest, 600 * v["window_ns"] / max(longest, 1))}</td></tr>')
+    return ("<table><tr><th>node</th><th>rank</th><th>window</th><th>time by category</th></tr>"
+            f"{''.join(rows)}</table>")
+
+
+def _trace_section(title: str, trace: dict, analysed, at) -> str:
+    index = analysed.table.trace_ids.index(trace["trace_id"])
+    s = trace.get("straggler")
+    straggler = ""
+    if s:
+        straggler = (f"<p>Straggler: <b>{html.escape(s['node'])}</b> (rank {s['rank']}), busy in "
+                     f"<b>{html.escape(str(s['span']))}</b>, made others wait {fmt_ns(s['delay_cost_ns'])} in all.</p>")
+    pipe = trace.get("pipeline")
+    if pipe:
+        straggler += (f"<p>Pipeline {html.escape(str(pipe['schedule']))}: bubble {pipe['bubble_fraction']:.1%} "
+                      f"(ideal {pipe['ideal_bubble_fraction']:.1%} for {pipe['ranks']} ranks, "
+                      f"{pipe['microbatches']} microbatches).</p>")
+    return (f'<section class="trace"><h2>{title}: {html.escape(trace["name"])} <code>{trace["trace_id"][:16]}</code>, '
+            f'{fmt_ns(trace["duration_ns"])}, {trace["spans"]} spans on {trace["nodes"]} nodes</h2>{straggler}'
+            f'{_timeline(trace, index, analysed, at)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
+
+
+def render(report: dict, analysed, attributed) -> str:
+    traces = report["traces"]
+    body = [f"<h1>crosstrace report</h1><p>{html.escape(str(report['store']))}: {len(traces)} traces, "
+            f"{sum(tr['spans'] for tr in traces):,} spans</p>", _legend(), "<h2>budgets</h2>", _budgets(report)]
+    if traces:
+        by_duration = sorted(traces, key=lambda tr: tr["duration_ns"])
+        slowest, typical = by_duration[-1], by_duration[(len(by_duration) - 1) // 2]
+        body.append(_trace_section("slowest trace", slowest, analysed, attributed))
+        if typical is not slowest:
+            body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed))
+        body += ["<h2>traces: where the critical path goes</h2>", _trace_bars(traces)]
+    unmatched = {k: v for k, v in report.get("unmatched", {}).items() if v}
+    if unmatched:
+        body.append("<p>Spans whose partner is missing: "
+                    + ", ".join(f"{html.escape(k)}: {v}" for k, v in unmatched.items()) + "</p>")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>crosstrace report</title>'
+            f'<style>{STYLE}</style></head><body>{"".join(body)}<script>{SCRIPT}</script></body></html>')
+
+
+def write(path: str, report: dict, analysed, attributed) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(render(report, analysed, attributed))

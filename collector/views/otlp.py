@@ -1,0 +1,161 @@
+"""`crosstrace export --otlp ENDPOINT`: the store's spans, on the aligned timeline, to any
+OTLP/gRPC backend (an OpenTelemetry Collector, Jaeger, Tempo, ...).
+
+Times are Unix-epoch ns: aligned reference time + the store's epoch_offset_ns. A span of a
+node without a clock model cannot be placed and is left out (and counted), except on a
+node whose clock already is the Unix epoch (clock=unix_epoch: spans that came in over
+OTLP), whose times go out as they came. Each span carries its alignment error bound
+(crosstrace.error_bound_ns) and its crosstrace kind where OpenTelemetry has none
+(crosstrace.kind = compute, collective, ...). One ResourceSpans per node.
+"""
+import dataclasses
+
+import grpc
+import numpy as np
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from ...proto import semconv as sc
+from ...proto.semconv import Kind
+from ..align import UNBOUNDED_NS
+
+_OTEL_KIND = {Kind.RPC_CLIENT: trace_pb2.Span.SPAN_KIND_CLIENT, Kind.RPC_SERVER: trace_pb2.Span.SPAN_KIND_SERVER,
+              Kind.SEND: trace_pb2.Span.SPAN_KIND_PRODUCER, Kind.RECV: trace_pb2.Span.SPAN_KIND_CONSUMER}
+_KIND_NAMES = {k.value: k.name.lower() for k in Kind}
+
+
+@dataclasses.dataclass
+class ExportResult:
+    spans: int = 0           # sent and accepted
+    rejected: int = 0        # the backend's partial_success count
+    unplaced: int = 0        # left out: their node has no clock model
+    requests: int = 0
+
+
+def any_value(value) -> "common_pb2.AnyValue":
+    if isinstance(value, bool):
+        return common_pb2.AnyValue(bool_value=value)
+    if isinstance(value, int) and -(1 << 63) <= value < 1 << 63:
+        return common_pb2.AnyValue(int_value=value)
+    if isinstance(value, float):
+        return common_pb2.AnyValue(double_value=value)
+    if isinstance(value, (list, tuple)):
+        return common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[any_value(v) for v in value]))
+    if isinstance(value, dict):
+        return common_pb2.AnyValue(kvlist_value=common_pb2.KeyValueList(values=key_values(value)))
+    return common_pb2.AnyValue(string_value=str(value))
+
+
+def key_values(attributes: dict | None) -> list:
+    return [common_pb2.KeyValue(key=str(k), value=any_value(v)) for k, v in (attributes or {}).items()
+            if v is not None]
+
+
+def resource(r) -> "resource_pb2.Resource":
+    attrs = {"service.name": r.service_name or r.node_id, sc.NODE_ID: r.node_id}
+    for key, value in (("host.name", r.host), ("process.pid", r.pid), (sc.ROLE, r.role), (sc.JOB_ID, r.job_id)):
+        if value:
+            attrs[key] = value
+    if r.rank >= 0:
+        attrs[sc.RANK] = r.rank
+    for key, value in r.labels.items():
+        attrs.setdefault(key, value)
+    return resource_pb2.Resource(attributes=key_values(attrs))
+
+
+def _epoch_times(analysed, node: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, placed) in Unix-epoch ns for a node's rows."""
+    t, al = analysed.table, analysed.alignment
+    if t.resources[node].labels.get(sc.CLOCK_LABEL) == sc.CLOCK_UNIX_EPOCH and (al.error[rows] >= UNBOUNDED_NS).all():
+        return t.start[rows], t.end[rows], np.ones(len(rows), bool)
+    placed = al.error[rows] < UNBOUNDED_NS
+    return al.start[rows] + al.epoch_offset_ns, al.end[rows] + al.epoch_offset_ns, placed
+
+
+def _event_mapper(analysed, node: int):
+    """Local event time -> Unix-epoch ns, for the node's clock."""
+    t, al = analysed.table, analysed.alignment
+    model = al.models.get(t.nodes[node])
+    if model is not None and model.known:
+        return lambda local: int(model.to_reference(np.array([local], np.int64))[0]) + al.epoch_offset_ns
+    return lambda local: int(local)
+
+
+def requests(analysed, max_spans: int = 2000, result: ExportResult | None = None):
+    """ExportTraceServiceRequests of at most `max_spans` spans, node by node."""
+    t, al = analysed.table, analysed.alignment
+    result = result if result is not None else ExportResult()
+    for node in range(len(t.nodes)):
+        node_rows = np.flatnonzero(t.node == node)
+        if not len(node_rows):
+            continue
+        start, end, placed = _epoch_times(analysed, node, node_rows)
+        result.unplaced += int((~placed).sum())
+        event_time = _event_mapper(analysed, node)
+        res = resource(t.resources[node])
+        keep = np.flatnonzero(placed)
+        for chunk in range(0, len(keep), max_spans):
+            spans = [_span(t, al, int(node_rows[i]), int(start[i]), int(end[i]), event_time)
+                     for i in keep[chunk:chunk + max_spans]]
+            yield otlp.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
+                resource=res, scope_spans=[trace_pb2.ScopeSpans(
+                    scope=common_pb2.InstrumentationScope(name="crosstrace"), spans=spans)])])
+
+
+def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span":
+    kind = int(t.kind[row])
+    attrs = dict(t.attributes[row] or {})
+    if kind not in _OTEL_KIND and kind != Kind.INTERNAL:
+        attrs[sc.KIND] = _KIND_NAMES.get(kind, str(kind))
+    if al.error[row] < UNBOUNDED_NS:
+        attrs[sc.ERROR_BOUND_NS] = int(al.error[row])
+    extra = t.extras.get(row, {})
+    span = trace_pb2.Span(
+        trace_id=(int(t.trace_hi[row]) << 64 | int(t.trace_lo[row])).to_bytes(16, "big"),
+        span_id=int(t.span_id[row]).to_bytes(8, "big"),
+        parent_span_id=int(t.parent_id[row]).to_bytes(8, "big") if t.parent_id[row] else b"",
+        name=t.names[t.name[row]], kind=_OTEL_KIND.get(kind, trace_pb2.Span.SPAN_KIND_INTERNAL),
+        start_time_unix_nano=max(start, 0), end_time_unix_nano=max(end, 0), attributes=key_values(attrs))
+    status = int(t.status[row])
+    if status:
+        span.status.code = status          # crosstrace's 1 ok / 2 error are OTLP's codes
+        if extra.get("status_message"):
+            span.status.message = str(extra["status_message"])
+    for name, when, event_attrs in extra.get("events", ()):
+        span.events.add(name=str(name), time_unix_nano=max(event_time(when), 0),
+                        attributes=key_values(event_attrs))
+    for trace_hex, span_hex, link_attrs in extra.get("links", ()):
+        span.links.add(trace_id=bytes.fromhex(trace_hex), span_id=bytes.fromhex(span_hex),
+                       attributes=key_values(link_attrs))
+    return span
+
+
+def channel(endpoint: str, ca: str | None = None) -> grpc.Channel:
+    """`host:port` or `http://host:port`: plaintext; `https://host:port`: TLS (with `ca`, else
+    the system's roots)."""
+    if endpoint.startswith("https://"):
+        root = None
+        if ca:
+            with open(ca, "rb") as f:
+                root = f.read()
+        return grpc.secure_channel(endpoint[len("https://"):], grpc.ssl_channel_credentials(root_certificates=root))
+    return grpc.insecure_channel(endpoint.removeprefix("http://"))
+
+
+def send(endpoint: str, analysed, headers: list[tuple[str, str]] = (), ca: str | None = None,
+         timeout_s: float = 30.0, max_spans: int = 2000) -> ExportResult:
+    """Export every placed span; raises grpc.RpcError (with the backend's status) on failure."""
+    result = ExportResult()
+    metadata = [(k.lower(), v) for k, v in headers]
+    with channel(endpoint, ca) as ch:
+        stub = otlp_grpc.TraceServiceStub(ch)
+        for request in requests(analysed, max_spans, result):
+            response = stub.Export(request, timeout=timeout_s, metadata=metadata, wait_for_ready=False)
+            n = sum(len(s.spans) for rs in request.resource_spans for s in rs.scope_spans)
+            result.rejected += response.partial_success.rejected_spans
+            result.spans += n - response.partial_success.rejected_spans
+            result.requests += 1
+    return result

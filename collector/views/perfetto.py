@@ -1,0 +1,134 @@
+"""The aligned traces as Chrome trace-event JSON, for Perfetto UI and chrome://tracing.
+
+One process per node (named by node id and rank), one thread track per recording
+thread; every span a complete ("X") event. Flow arrows (v1 "s"/"f" events, bound to the
+enclosing slices) join each send to its receive, each RPC client to its server and back,
+and each collective's last entry to every participant's end. The critical path of each
+trace is its own track in a "critical path" process, one slice per segment named by its
+category, and every span on it carries `critical_path_ns` in its args.
+Times are microseconds from the earliest span (the reference time of that instant is in
+otherData.crosstrace.t0_ns).
+"""
+import numpy as np
+import orjson
+
+from ...proto.semconv import Kind
+from .. import attribution
+from ..dag import Edge, dense
+
+_KINDS = {k.value: k.name.lower() for k in Kind}
+_FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
+          Edge.COMPLETE: "collective"}
+_EPS_US = 0.001   # flow ends sit 1 ns inside their slices, so that each binds to its own span
+
+
+def _tracks(t, start, end) -> tuple[np.ndarray, list]:
+    """A track (tid) per span: its thread's, or where it would overlap a span there without
+    nesting (an async op, a concurrent trace), an extra track of that thread, since a
+    track's slices must nest. Returns tids (from 1) and, per track, (a row on it, extra index)."""
+    lane, _ = dense(t.node, t.thread) if len(t) else (np.empty(0, np.int64), 0)
+    order = np.lexsort((-end, start, lane))
+    track = np.zeros(len(t), dtype=np.int64)
+    stacks: dict = {}              # (lane, k) -> ends of the open slices on that track
+    for r, ln, s, e in zip(order.tolist(), lane[order].tolist(), start[order].tolist(), end[order].tolist()):
+        k = 0
+        while True:
+            stack = stacks.setdefault((ln, k), [])
+            while stack and stack[-1] <= s:
+                stack.pop()
+            if not stack or e <= stack[-1]:
+                stack.append(e)
+                break
+            k += 1
+        track[r] = k
+    keys = {}
+    tid = np.array([keys.setdefault((ln, k), len(keys) + 1) for ln, k in zip(lane.tolist(), track.tolist())],
+                   dtype=np.int64)
+    first = {}
+    for r, key in enumerate(zip(lane.tolist(), track.tolist())):
+        first.setdefault(key, r)
+    return tid, [(first[key], key[1]) for key in keys]
+
+
+def trace_events(analysed, attributed: "attribution.Attribution | None" = None) -> dict:
+    t, al = analysed.table, analysed.alignment
+    at = attributed or attribution.attribute(t, al, analysed.matches)
+    dag, paths = at.dag, at.paths
+    n = len(t)
+    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+    t0 = int(start.min()) if n else 0
+
+    def us(ns):
+        return np.round((np.asarray(ns, dtype=np.int64) - t0) / 1000.0, 3)
+
+    tid, track_rows = _tracks(t, start, end)
+    n_lanes = len(track_rows)
+    pid = t.node.astype(np.int64) + 1
+    rank = [int(r.rank) for r in t.resources]
+    events = []
+    for node, node_id in enumerate(t.nodes):
+        label = f"{node_id} (rank {rank[node]})" if rank[node] >= 0 else node_id
+        events.append({"ph": "M", "name": "process_name", "pid": node + 1, "args": {"name": label}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": node + 1,
+                       "args": {"sort_index": rank[node] if rank[node] >= 0 else len(t.nodes) + node}})
+    for i, (r, k) in enumerate(track_rows, 1):
+        name = f"thread {int(t.thread[r]):x}" + (f" (overlapping {k})" if k else "")
+        events.append({"ph": "M", "name": "thread_name", "pid": int(pid[r]), "tid": i, "args": {"name": name}})
+
+    on_path = np.zeros(n, dtype=np.int64)
+    covered = at.segment_row >= 0
+    np.add.at(on_path, at.segment_row[covered], (paths.end - paths.start)[covered])
+    ts, dur = us(start).tolist(), np.round((end - start) / 1000.0, 3).tolist()
+    for i in range(n):
+        attrs = t.attributes[i]
+        args = {"trace_id": t.trace_ids[t.trace[i]], "span_id": f"{int(t.span_id[i]):016x}",
+                "kind": _KINDS.get(int(t.kind[i]), str(t.kind[i])), "error_bound_ns": int(al.error[i])}
+        if t.parent_id[i]:
+            args["parent_span_id"] = f"{int(t.parent_id[i]):016x}"
+        if on_path[i]:
+            args["critical_path_ns"] = int(on_path[i])
+        if attrs:
+            args["attributes"] = attrs
+        events.append({"ph": "X", "name": t.names[t.name[i]], "cat": args["kind"], "ts": ts[i], "dur": dur[i],
+                       "pid": int(pid[i]), "tid": int(tid[i]), "args": args})
+
+    # Flow arrows along the DAG's cross-span edges.
+    row_src, row_dst = dag.row_of(dag.src), dag.row_of(dag.dst)
+    for flow_id, e in enumerate(np.flatnonzero(np.isin(dag.edge, list(_FLOWS))).tolist(), 1):
+        a, b, name = int(row_src[e]), int(row_dst[e]), _FLOWS[Edge(int(dag.edge[e]))]
+        if a == b:
+            continue
+        at_a = min(max(float(us(dag.time[dag.src[e]])), ts[a]) + min(_EPS_US, dur[a] / 2), ts[a] + dur[a])
+        at_b = min(max(float(us(dag.time[dag.dst[e]])) - min(_EPS_US, dur[b] / 2), ts[b]), ts[b] + dur[b])
+        events.append({"ph": "s", "id": flow_id, "name": name, "cat": "flow", "ts": at_a,
+                       "pid": int(pid[a]), "tid": int(tid[a])})
+        events.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "flow", "ts": at_b,
+                       "pid": int(pid[b]), "tid": int(tid[b])})
+
+    # The critical path: one track per trace.
+    cp_pid = len(t.nodes) + 1
+    events.append({"ph": "M", "name": "process_name", "pid": cp_pid, "args": {"name": "critical path"}})
+    events.append({"ph": "M", "name": "process_sort_index", "pid": cp_pid, "args": {"sort_index": -1}})
+    names = attribution.CATEGORIES + ("remote",)
+    for tr in np.unique(paths.trace).tolist():
+        cp_tid = n_lanes + 1 + tr
+        events.append({"ph": "M", "name": "thread_name", "pid": cp_pid, "tid": cp_tid,
+                       "args": {"name": f"critical path {t.trace_ids[tr]}"}})
+    seg_ts, seg_dur = us(paths.start).tolist(), np.round((paths.end - paths.start) / 1000.0, 3).tolist()
+    for k in np.flatnonzero(paths.end > paths.start).tolist():
+        r, node = int(at.segment_row[k]), int(dag.node[paths.dst[k]])
+        category = names[at.segment_category[k]]
+        events.append({"ph": "X", "name": category, "cat": "critical_path", "ts": seg_ts[k], "dur": seg_dur[k],
+                       "pid": cp_pid, "tid": n_lanes + 1 + int(paths.trace[k]),
+                       "args": {"span": t.names[t.name[r]] if r >= 0 else None, "node": t.nodes[node],
+                                "rank": rank[node], "error_ns": int(paths.error[k])}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"crosstrace": {"t0_ns": t0, "epoch_offset_ns": al.epoch_offset_ns}}}
+
+
+def write(path: str, analysed, attributed=None) -> int:
+    """Write the JSON file; returns the number of spans in it."""
+    doc = trace_events(analysed, attributed)
+    with open(path, "wb") as out:
+        out.write(orjson.dumps(doc))
+    return len(analysed.table)

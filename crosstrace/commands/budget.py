@@ -1,0 +1,68 @@
+"""`crosstrace budget check`: latency budgets as a CI gate (exit 1 when one is violated)."""
+import argparse
+import json
+import sys
+
+EXAMPLE = """\
+budget file (TOML), one [[budget]] table per limit:
+
+  [[budget]]                    # edge.preprocess p99 <= 5ms
+  span = "preprocess"           # spans of this name (glob) ...
+  node = "edge*"                # ... on nodes whose node id or role matches (optional)
+  percentile = 99
+  max = "5ms"
+
+  [[budget]]                    # network.uplink p95 <= 20ms (on the critical path)
+  category = "network.uplink"
+  percentile = 95
+  max = "20ms"
+
+  [[budget]]                    # collective.wait <= 10% of step (worst rank)
+  category = "collective.wait"
+  traces = "step"
+  max = "10%"
+
+keys: max (required: "800ns", "250us", "5ms", "1.5s" or a share "10%"); percentile
+(default 100: every sample); span + node, or category (+ measure: critical_path,
+worst_rank, mean_rank; waits and bubble default to worst_rank), or neither (the trace's
+duration); traces (glob on the trace name); name (a label). A span budget takes one
+sample per span, the others one per trace. A budget that matches nothing fails.
+exit status: 0 all budgets hold, 1 a budget is violated or has no data, 2 bad input.
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("budget", help="check latency budgets against a store (CI gate)",
+                       description="Latency budgets: limits per span or attribution category, as time or "
+                                   "share of the trace, at a percentile across traces.")
+    budget_sub = p.add_subparsers(dest="budget_command", metavar="SUBCOMMAND", required=True)
+    check = budget_sub.add_parser("check", help="measure every budget; exit 1 if one is violated",
+                                  description="Print every budget with its measured value across traces and "
+                                              "the worst traces; exit 1 when one is violated.",
+                                  epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
+    check.add_argument("--budget", required=True, metavar="FILE", help="budget file (TOML, see below)")
+    check.add_argument("--trace", action="append", metavar="TRACE_ID", help="only this trace (repeatable)")
+    check.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
+    check.set_defaults(func=run_check)
+
+
+def run_check(args) -> int:
+    from ..collector import budgets as budgets_mod
+    from .report import analyse_report
+
+    budgets_mod.load(args.budget)   # a bad file fails before the store is read
+    report, _, _ = analyse_report(args.store, args.trace, quiet=True, budget_file=args.budget)
+    results = report["budgets"]
+    if args.json:
+        text = json.dumps(results, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as out:
+                out.write(text + "\n")
+    if args.json != "-":
+        from ..collector.views.terminal import render_budgets
+
+        render_budgets(results, len(report["traces"]))
+    return 0 if all(r["ok"] for r in results) else 1

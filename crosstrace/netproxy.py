@@ -1,0 +1,246 @@
+"""A delaying TCP proxy, for tests and demos on machines without `tc netem`.
+
+    with DelayProxy("127.0.0.1:50051", up_ms=30, down_ms=10, jitter_ms=2) as proxy:
+        channel = grpc.insecure_channel(proxy.address)
+
+Bytes from the client to the upstream ("up") are delivered `up_ms` after they arrived,
+bytes coming back ("down") `down_ms` after; each chunk gets a uniform jitter of
++-`jitter_ms`, but never overtakes the chunk before it (TCP keeps order). Each direction
+of a connection is one reader thread (stamps chunks with the kernel's receive time) and
+one writer thread (delivers them when due), so delays do not add up across chunks. Every socket operation has a
+timeout; stop() closes everything and joins the threads.
+
+    python -m crosstrace.netproxy --upstream HOST:PORT --up-ms 30 --down-ms 10
+"""
+import argparse
+import collections
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+_POLL_S = 0.1           # how often blocked threads look at the stop flag
+_CHUNK = 65536
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
+_ANCILLARY = socket.CMSG_SPACE(16)
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, float]:
+    """A chunk and when it arrived (monotonic s): the kernel's receive timestamp where the
+    socket has SO_TIMESTAMPNS on, so that a late wake-up of this thread does not add delay."""
+    data, ancillary, _, _ = sock.recvmsg(_CHUNK, _ANCILLARY)
+    now_mono, now_wall = time.monotonic_ns(), time.time_ns()
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(payload) >= 16:
+            sec, nsec = struct.unpack_from("qq", payload)
+            age_ns = max(0, now_wall - (sec * 1_000_000_000 + nsec))
+            return data, (now_mono - age_ns) / 1e9
+    return data, now_mono / 1e9
+
+
+class _Pipe:
+    """One direction of one connection: read, stamp with a due time, deliver when due."""
+
+    def __init__(self, conn: "_Connection", src: socket.socket, dst: socket.socket, delay_s: float, name: str):
+        self.conn, self.src, self.dst, self.delay_s = conn, src, dst, delay_s
+        self.queue: collections.deque = collections.deque()
+        self.ready = threading.Condition()
+        self.threads = [threading.Thread(target=self._read, name=f"{name}-read", daemon=True),
+                        threading.Thread(target=self._write, name=f"{name}-write", daemon=True)]
+
+    def _read(self) -> None:
+        proxy, last_due = self.conn.proxy, 0.0
+        while not proxy._stop.is_set():
+            try:
+                data, arrived = _receive(self.src)
+            except socket.timeout:
+                continue
+            except OSError:
+                data, arrived = b"", time.monotonic()
+            due = max(arrived + proxy._delay(self.delay_s), last_due)
+            last_due = due
+            with self.ready:
+                self.queue.append((due, data))
+                self.ready.notify()
+            if not data:
+                return
+
+    def _write(self) -> None:
+        stop = self.conn.proxy._stop
+        try:
+            while not stop.is_set():
+                with self.ready:
+                    if not self.queue:
+                        self.ready.wait(_POLL_S)
+                        continue
+                    due, data = self.queue[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    # The last stretch in a plain sleep: it wakes closer to the due time.
+                    if wait > 0.002:
+                        stop.wait(min(wait - 0.001, _POLL_S))
+                    else:
+                        time.sleep(wait)
+                    continue
+                with self.ready:
+                    self.queue.popleft()
+                if not data:
+                    self.dst.shutdown(socket.SHUT_WR)   # the source closed: pass the EOF on, in order
+                    return
+                self.dst.sendall(data)
+                self.conn.proxy._count(len(data))
+        except OSError:
+            self.conn.close()                           # a peer went away: end both directions
+        finally:
+            self.conn.pipe_done()
+
+
+class _Connection:
+    """A client socket, its upstream socket and the two pipes between them."""
+
+    def __init__(self, proxy: "DelayProxy", client: socket.socket, upstream: socket.socket, n: int):
+        self.proxy, self.sockets = proxy, (client, upstream)
+        self.pipes = (_Pipe(self, client, upstream, proxy.up_s, f"delayproxy-{n}-up"),
+                      _Pipe(self, upstream, client, proxy.down_s, f"delayproxy-{n}-down"))
+        self._open = 2
+        self._lock = threading.Lock()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [t for pipe in self.pipes for t in pipe.threads]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def pipe_done(self) -> None:
+        with self._lock:
+            self._open -= 1
+            last = self._open == 0
+        if last:
+            self.close()
+            self.proxy._forget(self)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+class DelayProxy:
+    """Listen on `listen`, forward each connection to `upstream` with the given delays."""
+
+    def __init__(self, upstream: str, up_ms: float = 0.0, down_ms: float = 0.0, jitter_ms: float = 0.0,
+                 listen: str = "127.0.0.1:0", seed: int | None = None, connect_timeout_s: float = 5.0):
+        if min(up_ms, down_ms, jitter_ms) < 0:
+            raise ValueError("delays and jitter must not be negative")
+        self.upstream = _split(upstream)
+        self.up_s, self.down_s, self.jitter_s = up_ms / 1000, down_ms / 1000, jitter_ms / 1000
+        self.connect_timeout_s = connect_timeout_s
+        self._random = random.Random(seed)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: list[_Connection] = []
+        self.connections = 0
+        self.bytes_forwarded = 0
+        host, port = _split(listen)
+        self._server = socket.create_server((host, port))
+        self._server.settimeout(_POLL_S)
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._acceptor = threading.Thread(target=self._accept, name="delayproxy-accept", daemon=True)
+
+    def _delay(self, base_s: float) -> float:
+        with self._lock:
+            jitter = self._random.uniform(-self.jitter_s, self.jitter_s) if self.jitter_s else 0.0
+        return max(0.0, base_s + jitter)
+
+    def _forget(self, conn: _Connection) -> None:
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_forwarded += n
+
+    def start(self) -> "DelayProxy":
+        self._acceptor.start()
+        return self
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=self.connect_timeout_s)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if _SO_TIMESTAMPNS is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+                sock.settimeout(_POLL_S)
+            with self._lock:
+                conn = _Connection(self, client, upstream, self.connections)
+                self._connections.append(conn)
+                self.connections += 1
+            conn.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the listener and every connection; join all threads (bounded by timeout_s)."""
+        self._stop.set()
+        self._server.close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            conn.close()
+        deadline = time.monotonic() + timeout_s
+        threads = [self._acceptor] if self._acceptor.ident is not None else []
+        for thread in threads + [t for conn in connections for t in conn.threads]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> "DelayProxy":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A TCP proxy that delays each direction (no tc netem needed).")
+    parser.add_argument("--upstream", required=True, help="HOST:PORT to forward to")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default %(default)s)")
+    parser.add_argument("--up-ms", type=float, default=0.0, help="delay client -> upstream, ms")
+    parser.add_argument("--down-ms", type=float, default=0.0, help="delay upstream -> client, ms")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform jitter +- this, ms")
+    args = parser.parse_args(argv)
+    proxy = DelayProxy(args.upstream, args.up_ms, args.down_ms, args.jitter_ms, args.listen).start()
+    print(f"listening on {proxy.address}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    proxy.stop()
+
+
+if __name__ == "__main__":
+    main()

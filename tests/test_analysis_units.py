@@ -1,0 +1,326 @@
+"""Analysis on hand-built span tables where every number is known: stitching, critical
+path, attribution, stragglers, pipelines, and the edge cases (missing partners, nesting,
+overlapping threads, clock errors, cycles)."""
+import numpy as np
+import pytest
+
+from crosstrace.collector import attribution
+from crosstrace.collector.align import Alignment
+from crosstrace.collector.attribution import CATEGORIES, REMOTE, attribute
+from crosstrace.collector.dag import Edge
+from crosstrace.collector.matching import match
+from crosstrace.collector.report import trace_details
+from crosstrace.collector.spantable import SpanTable
+from crosstrace.proto import pb
+from crosstrace.proto import semconv as sc
+from crosstrace.proto.semconv import Kind
+
+MS = 1_000_000
+
+
+def build(spans: list[dict], nodes: dict[str, int], errors_ms: dict | None = None):
+    """A SpanTable and its Alignment from span dicts (times in ms, already aligned):
+    trace, id, parent, name, kind, start, end, node, thread, attrs."""
+    names: dict[str, int] = {}
+    traces = sorted({s["trace"] for s in spans})
+    node_ids = list(nodes)
+
+    def col(key, default=0, dtype=np.int64):
+        return np.array([s.get(key, default) for s in spans], dtype=dtype)
+
+    table = SpanTable(
+        trace_hi=np.zeros(len(spans), np.uint64), trace_lo=col("trace", dtype=np.uint64),
+        span_id=col("id", dtype=np.uint64), parent_id=col("parent", dtype=np.uint64),
+        start=np.array([round(s["start"] * MS) for s in spans], np.int64),
+        end=np.array([round(s["end"] * MS) for s in spans], np.int64),
+        kind=np.array([int(s.get("kind", Kind.INTERNAL)) for s in spans], np.uint8),
+        status=np.zeros(len(spans), np.uint8),
+        name=np.array([names.setdefault(s["name"], len(names)) for s in spans], np.int32),
+        thread=col("thread", 1, np.uint64), node=np.array([node_ids.index(s["node"]) for s in spans], np.int32),
+        trace=np.array([traces.index(s["trace"]) for s in spans], np.int32),
+        attributes=[s.get("attrs") for s in spans], extras={}, names=list(names), nodes=node_ids,
+        resources=[pb.Resource(node_id=n, rank=r, job_id="job") for n, r in nodes.items()],
+        trace_ids=[f"{x:032x}" for x in traces])
+    error = np.array([round((errors_ms or {}).get(s["node"], 0) * MS) for s in spans], np.int64)
+    return table, Alignment({}, table.start.copy(), table.end.copy(), error, 0)
+
+
+class Spans:
+    """Builds span dicts with fresh ids: add(...) returns the new span's id."""
+
+    def __init__(self, trace: int = 1):
+        self.spans, self.trace, self._next = [], trace, 1
+
+    def add(self, name, kind, start, end, node, parent=0, thread=1, trace=None, **attrs) -> int:
+        sid = self._next
+        self._next += 1
+        self.spans.append(dict(trace=trace or self.trace, id=sid, parent=parent, name=name, kind=kind, start=start,
+                               end=end, node=node, thread=thread, attrs=attrs or None))
+        return sid
+
+
+def coll(seq, ranks, group="world", op="all_reduce"):
+    return {sc.COLL_GROUP: group, sc.COLL_SEQ: seq, sc.COLL_OP: op, sc.COLL_RANKS: ranks}
+
+
+def p2p(src, dst, seq, **pp):
+    return {sc.P2P_SRC: src, sc.P2P_DST: dst, sc.P2P_TAG: 0, sc.P2P_SEQ: seq, **pp}
+
+
+def analyse(spans, nodes, errors_ms=None):
+    table, alignment = build(spans, nodes, errors_ms)
+    at = attribute(table, alignment, match(table))
+    return table, at, trace_details(table, at)
+
+
+def ms(values: dict) -> dict:
+    return {k: round(v / MS, 3) for k, v in values.items() if v}
+
+
+def check_tiles(at):
+    """Every critical path runs back to back from its trace's first event to its last."""
+    p, dag = at.paths, at.dag
+    for tr in range(len(dag.trace_start)):
+        lo, hi = p.bounds[tr], p.bounds[tr + 1]
+        assert hi > lo
+        assert p.start[lo] == dag.trace_start[tr] and p.end[hi - 1] == dag.trace_end[tr]
+        assert np.array_equal(p.start[lo + 1:hi], p.end[lo:hi - 1])
+        assert at.critical[tr].sum() == dag.trace_end[tr] - dag.trace_start[tr]
+
+
+def straggler_step(late_ms=50.0):
+    s = Spans()
+    for r in range(3):
+        node = f"rank{r}"
+        root = s.add("step", Kind.INTERNAL, 0, 100, node)
+        s.add("forward", Kind.COMPUTE, 1, 10, node, root)
+        back_end = 20 + (late_ms if r == 2 else 0)
+        s.add("backward", Kind.COMPUTE, 10, back_end, node, root)
+        s.add("all_reduce", Kind.COLLECTIVE, back_end + 1, 80, node, root, **coll(1, [0, 1, 2]))
+        s.add("optimizer", Kind.COMPUTE, 80, 90, node, root)
+    return s.spans, {f"rank{r}": r for r in range(3)}
+
+
+def test_straggler_compute_on_critical_path_and_wait_on_the_others():
+    table, at, out = analyse(*straggler_step())
+    check_tiles(at)
+    trace = out[0]
+    path = [(seg["category"], seg["node"], seg["span"]) for seg in trace["critical_path"]]
+    assert ("compute", "rank2", "backward") in path
+    assert ("compute", "rank0", "backward") not in path and ("compute", "rank1", "backward") not in path
+    backward = [seg for seg in trace["critical_path"] if seg["span"] == "backward"][0]
+    assert backward["duration_ns"] == 60 * MS and backward["confidence"] == 1.0
+    for node in ("rank0", "rank1"):
+        per = trace["per_rank"][node]["attribution"]
+        assert per["collective.wait"] == 50 * MS
+        assert per["collective.transfer"] == 9 * MS
+        assert sum(per.values()) == trace["per_rank"][node]["window_ns"] == 100 * MS
+    assert trace["per_rank"]["rank2"]["attribution"]["collective.wait"] == 0
+    s = trace["straggler"]
+    assert (s["node"], s["rank"], s["span"], s["delay_cost_ns"]) == ("rank2", 2, "backward", 100 * MS)
+    assert s["waits"][0]["op"] == "all_reduce" and s["waits"][0]["lateness_ns"] == 50 * MS
+    assert trace["collectives"]["all_reduce"] == {"count": 1, "wait_ns": 100 * MS, "transfer_ns": 27 * MS,
+                                                  "critical_path_ns": 9 * MS}
+    assert trace["attribution"]["compute"] == (9 + 60 + 10) * MS
+
+
+@pytest.mark.parametrize("op,root,late,waits", [
+    ("broadcast", 0, 0, {"r0": 0, "r1": 30, "r2": 30}),     # late root: everyone waits for it
+    ("broadcast", 0, 2, {"r0": 0, "r1": 0, "r2": 0}),       # a late receiver delays no one
+    ("reduce", 1, 2, {"r0": 0, "r1": 30, "r2": 0}),         # only the root waits for the last
+    ("all_reduce", None, 2, {"r0": 30, "r1": 30, "r2": 0}),  # N x N
+    ("broadcast", None, 2, {"r0": 30, "r1": 30, "r2": 0}),  # root unknown: counted as N x N
+])
+def test_rooted_collectives(op, root, late, waits):
+    s = Spans()
+    for r in range(3):
+        enter = 10 + (30 if r == late else 0)
+        s.add("work", Kind.COMPUTE, 0, enter, f"r{r}")
+        attrs = coll(1, [0, 1, 2], op=op)
+        if root is not None:
+            attrs[sc.COLL_ROOT] = root
+        s.add(op, Kind.COLLECTIVE, enter, 45, f"r{r}", **attrs)
+    table, at, out = analyse(s.spans, {"r0": 0, "r1": 1, "r2": 2})
+    check_tiles(at)
+    got = {n: round(v["attribution"]["collective.wait"] / MS) for n, v in out[0]["per_rank"].items()}
+    assert got == waits
+    if any(waits.values()):
+        assert out[0]["straggler"]["node"] == f"r{late}" and out[0]["straggler"]["delay_cost_ns"] == \
+            sum(waits.values()) * MS
+    else:
+        assert out[0]["straggler"] is None
+
+
+def test_missing_partners_are_reported_and_their_spans_kept():
+    s = Spans()
+    root = s.add("request", Kind.INTERNAL, 0, 50, "edge")
+    s.add("call", Kind.RPC_CLIENT, 5, 45, "edge", root)                      # its server never arrived
+    s.add("recv", Kind.RECV, 0, 10, "b", **p2p(0, 1, 7))                        # its send never arrived
+    s.add("all_reduce", Kind.COLLECTIVE, 0, 20, "c", **coll(3, [0, 1, 2]))      # one of three ranks only
+    s.add("orphan", Kind.COMPUTE, 10, 12, "b", parent=999)                       # its parent never arrived
+    table, at, out = analyse(s.spans, {"edge": -1, "b": 1, "c": 0})
+    check_tiles(at)
+    counts = {k: len(v) for k, v in at.dag.unmatched.items() if len(v)}
+    assert counts == {"rpc_client": 1, "recv": 1, "collective": 1, "parent": 1}
+    assert out[0]["unmatched"] == counts
+    # The unmatched RPC is remote time, not network: nothing says how it splits.
+    assert out[0]["per_rank"]["edge"]["remote_ns"] == 40 * MS
+    assert out[0]["per_rank"]["b"]["attribution"]["p2p.transfer"] == 10 * MS
+    assert out[0]["per_rank"]["c"]["attribution"]["collective.transfer"] == 20 * MS
+
+
+def test_nested_spans_and_thread_order():
+    s = Spans()
+    root = s.add("step", Kind.INTERNAL, 0, 30, "n")
+    fwd = s.add("forward", Kind.COMPUTE, 2, 20, "n", root)
+    s.add("layer1", Kind.COMPUTE, 3, 8, "n", fwd)
+    s.add("layer2", Kind.DATA, 10, 18, "n", fwd)
+    s.add("optimizer", Kind.COMPUTE, 22, 28, "n", root)
+    table, at, out = analyse(s.spans, {"n": 0})
+    check_tiles(at)
+    dag = at.dag
+    rows = {table.names[table.name[i]]: i for i in range(len(table))}
+    assert dag.prev[rows["layer2"]] == rows["layer1"]
+    assert dag.prev[rows["optimizer"]] == rows["forward"]
+    assert dag.parent[rows["layer1"]] == rows["forward"]
+    cp = out[0]["attribution"]
+    # forward's own time (2-3, 8-10, 18-20) is compute, layer2 is data, step's gaps are host.overhead
+    assert ms(cp) == {"compute": 5 + 5 + 6, "data": 8, "host.overhead": 2 + 2 + 2}
+    assert out[0]["per_rank"]["n"]["attribution"] == cp
+
+
+def test_overlapping_threads_count_each_instant_once():
+    s = Spans()
+    s.add("backward", Kind.COMPUTE, 0, 10, "n", thread=1)
+    s.add("all_reduce", Kind.COLLECTIVE, 2, 12, "n", thread=2)    # async, overlaps compute
+    s.add("load", Kind.DATA, 11, 14, "n", thread=3)
+    table, at, out = analyse(s.spans, {"n": 0})
+    per = out[0]["per_rank"]["n"]
+    assert ms(per["attribution"]) == {"compute": 10, "data": 3, "collective.transfer": 1}
+    assert sum(per["attribution"].values()) == per["window_ns"] == 14 * MS
+    check_tiles(at)
+
+
+def test_rpc_network_legs_and_clock_uncertainty():
+    s = Spans()
+    root = s.add("request", Kind.INTERNAL, 0, 60, "edge")
+    s.add("preprocess", Kind.COMPUTE, 1, 6, "edge", root)
+    call = s.add("infer", Kind.RPC_CLIENT, 7, 59, "edge", root)
+    srv = s.add("infer", Kind.RPC_SERVER, 37, 49.5, "cloud", call)
+    s.add("model", Kind.COMPUTE, 38, 49, "cloud", srv)
+    table, at, out = analyse(s.spans, {"edge": -1, "cloud": -1}, errors_ms={"edge": 0.3, "cloud": 0.3})
+    check_tiles(at)
+    trace = out[0]
+    assert ms(trace["attribution"]) == {"compute": 5 + 11, "network.uplink": 30, "network.downlink": 9.5,
+                                        "host.overhead": 1 + 1 + 1 + 0.5 + 1}
+    legs = {seg["category"]: seg for seg in trace["critical_path"] if seg["category"].startswith("network")}
+    assert legs["network.uplink"]["from_node"] == "edge" and legs["network.uplink"]["node"] == "cloud"
+    assert legs["network.uplink"]["error_ns"] == 0.6 * MS
+    assert legs["network.uplink"]["confidence"] == pytest.approx(1 - 0.6 / 30)
+    edge = trace["per_rank"]["edge"]
+    assert ms(edge["attribution"]) == {"compute": 5, "network.uplink": 30, "network.downlink": 9.5,
+                                       "host.overhead": 3}
+    assert edge["remote_ns"] == 12.5 * MS
+
+    # Legs no longer than their clock error bound cannot be placed.
+    table, at, out = analyse(s.spans, {"edge": -1, "cloud": -1}, errors_ms={"edge": 6, "cloud": 6})
+    assert out[0]["attribution"]["network.uplink"] == 30 * MS
+    assert out[0]["attribution"]["network.downlink"] == 0
+    assert out[0]["attribution"]["clock.uncertainty"] == 9.5 * MS
+
+
+def test_late_sender_and_late_receiver():
+    s = Spans()
+    s.add("fwd", Kind.COMPUTE, 0, 5, "a")
+    s.add("send", Kind.SEND, 5, 6, "a", **p2p(0, 1, 0))
+    s.add("recv", Kind.RECV, 0, 6.5, "b", **p2p(0, 1, 0))       # posted 5 ms before the send
+    s.add("fwd", Kind.COMPUTE, 6.5, 10, "b")
+    s.add("send", Kind.SEND, 10, 13, "b", **p2p(1, 0, 0))         # waits 2 ms for a late receive
+    s.add("recv", Kind.RECV, 12, 13, "a", **p2p(1, 0, 0))
+    table, at, out = analyse(s.spans, {"a": 0, "b": 1})
+    check_tiles(at)
+    trace = out[0]
+    assert ms(trace["per_rank"]["b"]["attribution"]) == {"p2p.wait": 5 + 2, "p2p.transfer": 1.5 + 1,
+                                                         "compute": 3.5}
+    edges = [Edge(int(e)) for e in at.paths.edge]
+    assert Edge.MESSAGE in edges       # the first receive's end waited for the send
+    s_ = trace["straggler"]
+    assert s_["node"] == "a" and s_["delay_cost_ns"] == 7 * MS
+    assert {(w["late_node"], w["wait_caused_ns"]) for w in s_["waits"]} == {("a", 5 * MS), ("a", 2 * MS)}
+    assert [w["cause_span"] for w in s_["waits"]] == ["fwd", "fwd"] or s_["span"] == "fwd"
+
+
+def gpipe(p=2, m=4, f=1.0, b=1.0):
+    """An exact GPipe schedule: stage s runs F(i) at (i + s) f, B in reverse after all F."""
+    s = Spans()
+    attrs = {sc.PP_SCHEDULE: "ScheduleGPipe", sc.PP_NUM_STAGES: p, sc.PP_NUM_MICROBATCHES: m,
+             sc.PP_STAGES_PER_RANK: 1}
+    total = (m + p - 1) * (f + b)
+    for stage in range(p):
+        node = f"stage{stage}"
+        root = s.add("step", Kind.INTERNAL, 0, total if stage == 0 else total - stage * b, node)
+        for i in range(m):
+            t0 = (i + stage) * f
+            s.add("forward", Kind.COMPUTE, t0, t0 + f, node, root, **{sc.PP_STAGE: stage, sc.PP_MICROBATCH: i,
+                                                                   sc.PP_ACTION: "F", **attrs})
+        for i in range(m):
+            t0 = (m + p - 1) * f + (i + p - 1 - stage) * b
+            s.add("backward", Kind.COMPUTE, t0, t0 + b, node, root, **{sc.PP_STAGE: stage, sc.PP_MICROBATCH: i,
+                                                                    sc.PP_ACTION: "B", **attrs})
+    return s.spans, {f"stage{i}": i for i in range(p)}
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_pipeline_bubble_fraction_matches_the_schedule(p, m):
+    table, at, out = analyse(*gpipe(p, m))
+    pipe = out[0]["pipeline"]
+    ideal = (p - 1) / (m + p - 1)
+    assert pipe["ideal_bubble_fraction"] == pytest.approx(ideal)
+    assert pipe["bubble_fraction"] == pytest.approx(ideal)
+    assert (pipe["ranks"], pipe["microbatches"], pipe["schedule"]) == (p, m, "ScheduleGPipe")
+    for node, per in out[0]["per_rank"].items():
+        assert per["pipeline"] and per["window_ns"] == out[0]["per_rank"]["stage0"]["window_ns"]
+        assert ms(per["attribution"]) == {"compute": 2 * m, "bubble": 2 * (p - 1)}
+
+
+def test_clock_violation_is_clamped_and_reported():
+    s = Spans()
+    call = s.add("call", Kind.RPC_CLIENT, 10, 20, "a")
+    s.add("handle", Kind.RPC_SERVER, 8, 21, "b", call)     # before and after its client: clocks are off
+    table, at, out = analyse(s.spans, {"a": -1, "b": -1}, errors_ms={"a": 0.1, "b": 0.1})
+    check_tiles(at)
+    # The path ends at the server's end and steps back to the client's start, 2 ms after it.
+    assert at.paths.violation.max() == 2 * MS
+    assert (at.paths.end >= at.paths.start).all()
+
+
+def test_parent_cycle_does_not_hang():
+    spans = [dict(trace=1, id=1, parent=2, name="a", kind=Kind.COMPUTE, start=0, end=5, node="n"),
+             dict(trace=1, id=2, parent=1, name="b", kind=Kind.COMPUTE, start=0, end=5, node="n")]
+    table, at, out = analyse(spans, {"n": 0})
+    assert sum(out[0]["attribution"].values()) == 5 * MS
+
+
+def test_collective_split_across_traces_and_many_traces():
+    s = Spans()
+    for tr in (1, 2, 3):
+        s.add("step", Kind.COMPUTE, 0, 10 * tr, "x", trace=tr)
+    s.add("barrier", Kind.COLLECTIVE, 0, 5, "x", trace=1, **coll(9, [0, 1], op="barrier"))
+    s.add("barrier", Kind.COLLECTIVE, 1, 5, "y", trace=2, **coll(9, [0, 1], op="barrier"))
+    table, at, out = analyse(s.spans, {"x": 0, "y": 1})
+    check_tiles(at)
+    assert len(at.dag.unmatched["cross_trace"]) == 2
+    # In trace 1 the barrier runs on the step's thread inside the step: the thread is in it.
+    assert [o["attribution"]["compute"] for o in out] == [5 * MS, 20 * MS, 30 * MS]
+    assert out[0]["attribution"]["collective.transfer"] == 5 * MS
+
+
+def test_empty_table():
+    table, alignment = build([], {})
+    at = attribute(table, alignment, match(table))
+    assert len(at.paths) == 0 and at.critical.shape == (0, REMOTE + 1)
+    assert trace_details(table, at) == []
+
+
+def test_every_category_has_a_priority():
+    assert set(attribution.PRIORITY) == set(CATEGORIES) - {"host.overhead"} | {REMOTE}

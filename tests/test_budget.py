@@ -1,0 +1,176 @@
+"""Latency budgets: the TOML schema, measuring them on traces with known numbers, and
+`crosstrace budget check` as a CI gate on a real store."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from crosstrace.collector import budgets
+from crosstrace.collector.attribution import attribute
+from crosstrace.collector.matching import match
+from crosstrace.collector.report import trace_details
+from crosstrace.proto.semconv import Kind
+
+from .test_analysis_units import MS, Spans, build, straggler_step
+
+
+def parse(text: str, tmp_path) -> list:
+    path = tmp_path / "budget.toml"
+    path.write_text(text)
+    return budgets.load(str(path))
+
+
+def test_schema_and_rules(tmp_path):
+    parsed = parse("""
+[[budget]]
+span = "preprocess"
+node = "edge*"
+percentile = 99
+max = "5ms"
+
+[[budget]]
+name = "uplink"
+category = "network.uplink"
+percentile = 95
+max = "20ms"
+
+[[budget]]
+category = "collective.wait"
+traces = "step"
+max = "10%"
+
+[[budget]]
+traces = "request"
+max = "1.5s"
+""", tmp_path)
+    assert [b.rule for b in parsed] == ["edge*.preprocess p99 <= 5ms", "network.uplink p95 <= 20ms",
+                                        "collective.wait <= 10% of step (worst_rank)", "duration <= 1.5s in request"]
+    assert parsed[1].name == "uplink" and parsed[0].name == parsed[0].rule
+    assert (parsed[0].limit, parsed[0].share) == (5e6, False)
+    assert (parsed[2].limit, parsed[2].share, parsed[2].measure) == (0.1, True, "worst_rank")
+    assert parsed[3].limit == 1.5e9 and parsed[3].percentile == 100
+    assert budgets.parse_limit("250us") == (250e3, False) and budgets.parse_limit("800 ns") == (800, False)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[[budget]]\nspan = "x"\n', "missing max"),
+    ('[[budget]]\nspan = "x"\nmax = "5 parsecs"\n', "expected a time"),
+    ('[[budget]]\nspan = "x"\nmax = 5\n', "expected a time"),
+    ('[[budget]]\ncategory = "netwrk"\nmax = "5ms"\n', "expected one of compute"),
+    ('[[budget]]\nspan = "x"\ncategory = "data"\nmax = "5ms"\n', "not both"),
+    ('[[budget]]\nnode = "edge"\nmax = "5ms"\n', "node only applies"),
+    ('[[budget]]\nspan = "x"\nmeasure = "worst_rank"\nmax = "5ms"\n', "measure only applies"),
+    ('[[budget]]\ncategory = "data"\nmeasure = "best"\nmax = "5ms"\n', "expected one of critical_path"),
+    ('[[budget]]\nspan = "x"\npercentile = 120\nmax = "5ms"\n', "percentile"),
+    ('[[budget]]\nspan = "x"\nmax = "5ms"\ncolour = "red"\n', "unknown keys colour"),
+    ('[budget]\nspan = "x"\n', "expected one or more [[budget]] tables"),
+    ('budgets = 3\n', "unknown top-level keys: budgets"),
+    ('[[budget]\n', "not valid TOML"),
+])
+def test_bad_files_say_what_and_where(tmp_path, text, message):
+    with pytest.raises(budgets.BudgetError, match=message.replace("[", r"\[")) as info:
+        parse(text, tmp_path)
+    assert "budget.toml" in str(info.value)
+
+
+def evaluate(spans, nodes, text, tmp_path, errors_ms=None):
+    table, alignment = build(spans, nodes, errors_ms)
+    at = attribute(table, alignment, match(table))
+    details = trace_details(table, at)
+    traces = [{"trace_id": table.trace_ids[i], "name": "step", "duration_ns":
+               int(at.dag.trace_end[i] - at.dag.trace_start[i]), **details[i]} for i in range(len(details))]
+    return budgets.evaluate(parse(text, tmp_path), traces, table, at)
+
+
+def test_measured_values_on_known_traces(tmp_path):
+    spans, nodes = straggler_step(late_ms=50)
+    more = Spans(trace=2)
+    for r in range(3):
+        root = more.add("step", Kind.INTERNAL, 0, 50, f"rank{r}")
+        more.add("backward", Kind.COMPUTE, 1, 40 + r, f"rank{r}", root)
+    results = evaluate(spans + more.spans, nodes, """
+[[budget]]
+span = "backward"
+node = "rank2"
+max = "50ms"
+
+[[budget]]
+span = "backward"
+percentile = 50
+max = "30ms"
+
+[[budget]]
+category = "collective.wait"
+max = "40%"
+
+[[budget]]
+category = "compute"
+max = "80ms"
+
+[[budget]]
+span = "no such span"
+max = "1ms"
+""", tmp_path)
+    by_rule = {r["rule"]: r for r in results}
+    rank2 = by_rule["rank2.backward <= 50ms"]
+    assert (rank2["samples"], rank2["measured"], rank2["status"]) == (2, 60 * MS, "violated")
+    assert rank2["worst"][0]["value"] == 60 * MS
+    median = by_rule["backward p50 <= 30ms"]
+    assert median["samples"] == 6 and median["measured"] == 40 * MS and not median["ok"]   # 10 10 39 40 41 60
+    wait = by_rule["collective.wait <= 40% (worst_rank)"]
+    assert wait["measured"] == pytest.approx(0.5) and wait["status"] == "violated"   # 50 of 100 ms
+    compute = by_rule["compute <= 80ms"]
+    assert compute["ok"] and compute["measured"] == 79 * MS                           # on the critical path
+    assert by_rule["no such span <= 1ms"]["status"] == "no_data" and not by_rule["no such span <= 1ms"]["ok"]
+
+
+@pytest.fixture(scope="module")
+def rpc_store(tmp_path_factory):
+    """A real store: the RPC-chain demo workload (three processes, three clocks)."""
+    from crosstrace.demo import Workers, run_rpc_chain
+    from crosstrace.launch import CollectorProcess
+
+    store = str(tmp_path_factory.mktemp("rpc") / "store.db")
+    with CollectorProcess(store) as collector:
+        workers = Workers(collector, epoch_ns=time.monotonic_ns())
+        try:
+            run_rpc_chain(workers, 8, lambda message: None)
+        finally:
+            workers.stop_all()
+    return store
+
+
+def crosstrace(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "crosstrace", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_budget_check_is_a_ci_gate(rpc_store, tmp_path):
+    ok = tmp_path / "ok.toml"
+    ok.write_text('[[budget]]\nspan = "preprocess"\nnode = "frontend"\npercentile = 99\nmax = "1s"\n'
+                  '[[budget]]\ntraces = "request"\nmax = "10s"\n')
+    result = crosstrace("budget", "check", "--store", rpc_store, "--budget", str(ok))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all 2 budgets hold" in result.stdout
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[budget]]\ncategory = "compute"\npercentile = 50\nmax = "1us"\n')
+    result = crosstrace("budget", "check", "--store", rpc_store, "--budget", str(bad), "--json", "-")
+    assert result.returncode == 1, result.stdout + result.stderr
+    [entry] = json.loads(result.stdout)
+    assert entry["status"] == "violated" and entry["samples"] == 8 and len(entry["worst"]) == 3
+    result = crosstrace("budget", "check", "--store", rpc_store, "--budget", str(bad))
+    assert result.returncode == 1 and "VIOLATED" in result.stdout and entry["worst"][0]["trace_id"][:16] in result.stdout
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[[budget]]\ncategory = "compute"\n')
+    result = crosstrace("budget", "check", "--store", rpc_store, "--budget", str(broken))
+    assert result.returncode == 2 and "missing max" in result.stderr
+
+    report = tmp_path / "report.json"
+    result = crosstrace("report", "--store", rpc_store, "--budget", str(bad), "--json", str(report))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(report.read_text())["budgets"][0]["status"] == "violated"

@@ -1,0 +1,113 @@
+"""`crosstrace report --html`: the page opens in a real headless Chromium (Debian packages
+chromium and chromium-driver, driven with selenium) without console errors, fetches
+nothing, and shows one lane per node, the critical path, and working legend toggles."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from crosstrace.collector.attribution import attribute
+from crosstrace.collector.matching import match
+from crosstrace.collector.report import Analysed, trace_details, trace_summaries
+from crosstrace.collector.views import html
+
+from .test_analysis_units import build, gpipe, straggler_step
+from .test_budget import rpc_store  # noqa: F401  (a fixture: a real store of the RPC-chain demo)
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="needs the Debian packages chromium and chromium-driver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver import ChromeOptions, ChromeService
+
+    options = ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1300,1000"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=ChromeService(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(30)
+    driver.set_script_timeout(10)
+    yield driver
+    driver.quit()
+
+
+def open_page(browser, path) -> None:
+    browser.get(f"file://{path}")
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+    assert errors == []
+    assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
+
+
+def lanes(browser, timeline: int = 0) -> list[tuple[str, float]]:
+    """(node, width in px) of each lane of a timeline."""
+    return browser.execute_script("""
+        const svg = document.querySelectorAll('svg.timeline')[arguments[0]];
+        return [...svg.querySelectorAll('g.lane')].map(
+            g => [g.dataset.node, g.getBoundingClientRect().width]);""", timeline)
+
+
+def hand_built_page(tmp_path, spans, nodes) -> str:
+    table, alignment = build(spans, nodes)
+    analysed = Analysed(table, alignment, match(table))
+    at = attribute(table, alignment, analysed.matches)
+    traces = trace_summaries(analysed)
+    index = {trace_id: i for i, trace_id in enumerate(table.trace_ids)}
+    details = trace_details(table, at)
+    for trace in traces:
+        trace.update(details[index[trace["trace_id"]]])
+    report = {"store": "hand-built", "traces": traces, "budgets": [], "unmatched": {}}
+    path = tmp_path / "report.html"
+    html.write(str(path), report, analysed, at)
+    return str(path)
+
+
+def test_lanes_critical_path_and_legend(browser, tmp_path):
+    spans, nodes = straggler_step()
+    more, _ = gpipe()
+    for s in more:
+        s["trace"] = 2
+    path = hand_built_page(tmp_path, spans + more, {**nodes, "stage0": 0, "stage1": 1})
+    open_page(browser, path)
+    assert sorted(node for node, _ in lanes(browser)) == ["rank0", "rank1", "rank2"]   # the slowest trace
+    assert all(width > 500 for _, width in lanes(browser))
+    assert sorted(node for node, _ in lanes(browser, 1)) == ["stage0", "stage1"]       # the other one
+    points = browser.execute_script(
+        "return document.querySelector('svg.timeline polyline.critical').getAttribute('points')")
+    assert len(points.split()) >= 4
+    body = browser.find_element("tag name", "body").text
+    assert "Straggler: rank2 (rank 2), busy in backward" in body
+    assert "bubble 20.0% (ideal 20.0% for 2 ranks, 4 microbatches)" in body
+
+    visible = "return [...document.querySelectorAll('svg .cat-compute')].filter(e => e.getBoundingClientRect().width > 0).length"
+    shown = browser.execute_script(visible)
+    assert shown > 0
+    browser.find_element("css selector", '.legend span[data-cat="cat-compute"]').click()
+    assert browser.execute_script(visible) == 0
+    browser.find_element("css selector", '.legend span[data-cat="cat-compute"]').click()
+    assert browser.execute_script(visible) == shown
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_report_command_writes_the_page(browser, rpc_store, tmp_path):
+    budget = tmp_path / "budget.toml"
+    budget.write_text('[[budget]]\ncategory = "network.uplink"\npercentile = 95\nmax = "1us"\n')
+    page = tmp_path / "report.html"
+    result = subprocess.run([sys.executable, "-m", "crosstrace", "report", "--store", rpc_store, "--html", str(page),
+                             "--budget", str(budget)], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    text = page.read_text()
+    assert "<script src" not in text and "<link" not in text and "@import" not in text
+    open_page(browser, page)
+    assert sorted(node for node, _ in lanes(browser)) == ["frontend", "gateway", "model"]
+    row = browser.find_element("css selector", "td.violated")
+    assert row.text == "violated"

@@ -1,0 +1,123 @@
+"""`crosstrace export --perfetto`: Chrome trace-event JSON as Perfetto and chrome://tracing
+read it. Flow events (v1) bind to the slice that encloses them on their thread track, so
+each arrow must start inside its send (client, last participant) and end inside its
+receive (server, waiting participant)."""
+import json
+import os
+import subprocess
+import sys
+
+from crosstrace.collector.attribution import attribute
+from crosstrace.collector.matching import match
+from crosstrace.collector.report import Analysed
+from crosstrace.collector.views import perfetto
+from crosstrace.proto.semconv import Kind
+
+from .test_analysis_units import MS, Spans, build, coll, p2p, straggler_step
+from .test_budget import rpc_store  # noqa: F401  (a fixture: a real store of the RPC-chain demo)
+
+
+def mixed_table():
+    """Trace 1: a 3-rank all_reduce with a straggler; trace 2: an async send overlapping the
+    next compute on its thread, and its receive; trace 3: an RPC."""
+    spans, nodes = straggler_step()
+    s = Spans(trace=2)
+    s._next = 100
+    s.add("send", Kind.SEND, 105, 112, "rank0", **p2p(0, 1, 0))     # waited for only at 112
+    s.add("fwd", Kind.COMPUTE, 106, 114, "rank0")                    # overlaps it without nesting
+    s.add("recv", Kind.RECV, 100, 106.5, "rank1", **p2p(0, 1, 0))
+    call = s.add("infer", Kind.RPC_CLIENT, 210, 250, "rank0", trace=3)
+    s.add("infer", Kind.RPC_SERVER, 220, 240, "rank1", call, trace=3)
+    return build(spans + s.spans, nodes)
+
+
+def slices_by_track(events):
+    out = {}
+    for e in events:
+        if e["ph"] == "X":
+            out.setdefault((e["pid"], e["tid"]), []).append(e)
+    return out
+
+
+def enclosing(slices, ts):
+    """The innermost slice on a track that contains ts (what a v1 flow event binds to)."""
+    inside = [e for e in slices if e["ts"] <= ts <= e["ts"] + e["dur"]]
+    return min(inside, key=lambda e: e["dur"]) if inside else None
+
+
+def check(doc: dict, table) -> dict:
+    """Structural checks; returns {flow name: [(from span, to span)]}."""
+    events = doc["traceEvents"]
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {n for _, n in names} >= {"critical path"}
+    assert len(names) == len(table.nodes) + 1
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] != "critical_path"]
+    assert len(spans) == len(table)
+    assert min(e["ts"] for e in spans) == 0
+    for e in events:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+    tracks = slices_by_track(events)
+    for slices in tracks.values():            # slices on one track nest (the importer needs it)
+        open_ends = []
+        for e in sorted(slices, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e-6, e
+            open_ends.append(e["ts"] + e["dur"])
+    flows: dict = {}
+    for e in events:
+        if e["ph"] in "sf":
+            flows.setdefault(e["id"], {})[e["ph"]] = e
+    out: dict = {}
+    for pair in flows.values():
+        assert set(pair) == {"s", "f"} and pair["f"]["bp"] == "e"
+        assert pair["s"]["name"] == pair["f"]["name"] and pair["s"]["cat"] == pair["f"]["cat"]
+        a = enclosing(tracks[(pair["s"]["pid"], pair["s"]["tid"])], pair["s"]["ts"])
+        b = enclosing(tracks[(pair["f"]["pid"], pair["f"]["tid"])], pair["f"]["ts"])
+        assert a is not None and b is not None
+        out.setdefault(pair["s"]["name"], []).append((a["name"], b["name"]))
+    return out
+
+
+def test_processes_flows_and_critical_path(tmp_path):
+    table, alignment = mixed_table()
+    analysed = Analysed(table, alignment, match(table))
+    path = tmp_path / "trace.json"
+    assert perfetto.write(str(path), analysed) == len(table)
+    doc = json.loads(path.read_text())
+    flows = check(doc, table)
+    assert sorted(flows["p2p"]) == [("send", "recv")]
+    assert sorted(flows["rpc request"]) == [("infer", "infer")] and len(flows["rpc response"]) == 1
+    assert sorted(flows["collective"]) == [("all_reduce", "all_reduce")] * 2    # last entry -> the two who waited
+    threads = [e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert sum("(overlapping 1)" in name for name in threads) == 1
+
+    # The critical path: one track per trace whose slices tile the trace.
+    at = attribute(table, alignment, analysed.matches)
+    cp = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "critical_path"]
+    for tr in range(len(table.trace_ids)):
+        tid = {e["tid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"
+               and e["args"]["name"] == f"critical path {table.trace_ids[tr]}"}
+        assert len(tid) == 1
+        total = sum(e["dur"] for e in cp if e["tid"] in tid)
+        assert abs(total - (at.dag.trace_end[tr] - at.dag.trace_start[tr]) / 1000) < 0.01
+    backward = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "backward"
+                and e["args"].get("critical_path_ns")]
+    assert len(backward) == 1 and backward[0]["args"]["critical_path_ns"] == 60 * MS
+    assert {e["name"] for e in cp} >= {"compute", "collective.transfer"}
+
+
+def test_export_command_on_a_real_store(rpc_store, tmp_path):
+    out = tmp_path / "rpc.json"
+    result = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", rpc_store, "--perfetto", str(out)],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"frontend", "gateway", "model", "critical path"}
+    flows = [e for e in doc["traceEvents"] if e["ph"] == "s"]
+    assert len(flows) == 8 * 2 * 2     # 8 requests, two hops, request and response each
+    result = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", rpc_store],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "nothing to export" in result.stderr
