@@ -1,0 +1,150 @@
+"""crosstrace.step: one trace per training step that every rank derives alike, sampling
+alike on every rank, with crosstrace's provider (real tracer processes into a real
+collector) and with the OpenTelemetry SDK as the global provider."""
+import json
+
+import pytest
+
+import crosstrace
+from crosstrace.collector import spantable
+from crosstrace.collector.store import Store
+from crosstrace.proto import semconv as sc
+from crosstrace.proto.semconv import Kind, Status
+from crosstrace.tracer.step import step_trace_id
+
+from .conftest import run_python, tracer_env
+
+TRAINING_LOOP = """
+import crosstrace
+from opentelemetry import trace
+
+provider = crosstrace.init()
+tracer = trace.get_tracer("train")
+
+for k in range(6):
+    with crosstrace.step(k, every=2):                 # steps 0, 2, 4 are traced
+        with tracer.start_as_current_span("forward", attributes={"crosstrace.kind": "compute"}):
+            pass
+
+@crosstrace.step
+def train_step():                                     # steps 6 and 7: numbers continue
+    with tracer.start_as_current_span("forward"):
+        pass
+
+train_step()
+train_step()
+for batch in crosstrace.steps(["a", "b"]):            # steps 8, 9; fetching 10 ends the loop
+    with tracer.start_as_current_span("forward"):
+        pass
+try:
+    with crosstrace.step(20):
+        raise ValueError("boom")
+except ValueError:
+    pass
+for batch in crosstrace.steps(range(100), start=30):  # step 30, closed by the break
+    break
+provider.shutdown()
+"""
+
+
+def load(collector):
+    store = Store(collector.store, readonly=True)
+    try:
+        return spantable.load(store)
+    finally:
+        store.close()
+
+
+def spans_of(table) -> list[dict]:
+    return [{"name": table.names[table.name[i]], "kind": int(table.kind[i]), "node": table.nodes[table.node[i]],
+             "trace": table.trace_ids[table.trace[i]], "span_id": int(table.span_id[i]),
+             "parent": int(table.parent_id[i]), "status": int(table.status[i]), "a": table.attributes[i] or {}}
+            for i in range(len(table))]
+
+
+def test_step_trace_id_is_a_function_of_job_and_step():
+    ids = {step_trace_id(job, k) for job in ("a", "b") for k in range(1000)}
+    assert len(ids) == 2000 and all(0 < t < 1 << 128 for t in ids)
+    assert step_trace_id("a", 7) == step_trace_id("a", 7)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="every"):
+        crosstrace.step(1, every=0)
+    with pytest.raises(TypeError, match="decorator"):
+        crosstrace.step(3)(lambda: None)
+
+
+def test_ranks_agree_on_step_traces_without_talking(collector):
+    clocks = {"rank0": 0, "rank1": 300_000_000, "other-job": -50_000_000}
+    for node, offset in clocks.items():
+        job = "other" if node == "other-job" else "train-job"
+        run_python(TRAINING_LOOP, env=tracer_env(collector, node, job_id=job, sim_clock_offset_ns=offset))
+    spans = spans_of(load(collector))
+    steps = {(s["node"], s["a"][sc.STEP]): s for s in spans if s["name"] == "step"}
+    traced = [0, 2, 4, 6, 7, 8, 9, 20, 30]
+    for node in clocks:
+        assert sorted(k for n, k in steps if n == node) == traced
+    for k in traced:
+        expected = f"{step_trace_id('train-job', k):032x}"
+        assert steps["rank0", k]["trace"] == steps["rank1", k]["trace"] == expected
+        assert steps["other-job", k]["trace"] == f"{step_trace_id('other', k):032x}" != expected
+        assert all(steps[node, k]["parent"] == 0 for node in clocks)  # each rank's step is a root
+        assert steps["rank0", k]["a"][sc.JOB_ID] == "train-job"
+    assert steps["rank0", 20]["status"] == Status.ERROR and steps["rank0", 0]["status"] == Status.UNSET
+
+    # Everything under a step is in its trace, under its span; unsampled steps left nothing.
+    by_id = {(s["node"], s["span_id"]): s for s in spans}
+    children = [s for s in spans if s["name"] != "step"]
+    for child in children:
+        parent = by_id[child["node"], child["parent"]]
+        assert parent["name"] == "step" and parent["trace"] == child["trace"]
+    forwards = [s for s in children if s["name"] == "forward" and s["node"] == "rank0"]
+    assert sorted(by_id["rank0", s["parent"]]["a"][sc.STEP] for s in forwards) == [0, 2, 4, 6, 7, 8, 9]
+    assert forwards[0]["kind"] == Kind.COMPUTE
+    fetches = [s for s in children if s["name"] == "next_batch" and s["node"] == "rank0"]
+    assert sorted(by_id["rank0", s["parent"]]["a"][sc.STEP] for s in fetches) == [8, 9, 30]
+    assert all(s["kind"] == Kind.DATA for s in fetches)
+
+
+def test_steps_with_the_opentelemetry_sdk_as_global_provider():
+    out = run_python("""
+        import json, crosstrace
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+        tracer = trace.get_tracer("train")
+        for k in range(4):
+            with crosstrace.step(k, every=2) as step:
+                with tracer.start_as_current_span("forward") as child:
+                    recording = child.is_recording()
+                print(json.dumps({"k": k, "child_recording": recording}))
+        print(json.dumps([{"name": s.name, "trace": f"{s.context.trace_id:032x}",
+                           "parent_remote": s.parent.is_remote if s.parent else None,
+                           "step": s.attributes.get("crosstrace.step")} for s in exporter.get_finished_spans()]))
+    """, env={"CROSSTRACE_JOB_ID": "sdk-job"})
+    *per_step, finished = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [s["child_recording"] for s in per_step] == [True, False, True, False]
+    assert sorted((s["name"], s["step"]) for s in finished if s["name"] == "step") == [("step", 0), ("step", 2)]
+    assert len(finished) == 4
+    steps = {s["trace"]: s for s in finished if s["name"] == "step"}
+    assert set(steps) == {f"{step_trace_id('sdk-job', k):032x}" for k in (0, 2)}
+    assert all(s["parent_remote"] for s in steps.values())  # the never-recorded origin carrying the id
+    assert all(s["trace"] in steps for s in finished)
+
+
+def test_steps_without_any_provider_cost_nothing_and_work():
+    out = run_python("""
+        import crosstrace
+        from opentelemetry import trace
+        with crosstrace.step(0) as span:
+            with trace.get_tracer("t").start_as_current_span("x") as child:
+                print(span.is_recording(), child.is_recording())
+    """)
+    assert out.stdout.split() == ["False", "False"]

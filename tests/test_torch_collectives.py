@@ -1,0 +1,248 @@
+"""torch.distributed collectives and point-to-point ops, traced across real gloo ranks.
+
+Each rank is a real process (gloo over loopback, CPU) exporting to a real collector; the
+checks read the collector's store: every collective of a step is on every rank of its
+group under one (group, seq), every send pairs with one receive, the step trace ids agree.
+Also run_ranks() and spans(), shared with the other torch tests.
+"""
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from crosstrace.collector import spantable
+from crosstrace.collector.store import Store
+from crosstrace.proto import semconv as sc
+from crosstrace.proto.semconv import Kind, Status
+from crosstrace.tracer.step import step_trace_id
+
+from .conftest import tracer_env
+
+pytest.importorskip("torch.distributed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(code: str, world: int, collector, tmp_path, timeout_s: float = 120, **options) -> list[dict]:
+    """Run `code` as `world` ranks of one gloo job (torchrun's environment, CROSSTRACE_*
+    `options`); each prints one JSON line last, returned per rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, **tracer_env(collector, f"rank{rank}", **options), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        out = open(tmp_path / f"rank{rank}.out", "w+")
+        err = open(tmp_path / f"rank{rank}.err", "w+")
+        procs.append((subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=out,
+                                       stderr=err, text=True), out, err))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc, _, _ in procs:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    results, failures = [], []
+    for rank, (proc, out, err) in enumerate(procs):
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+        out.close()
+        err.close()
+        if proc.returncode != 0:
+            failures.append(f"rank {rank} exited {proc.returncode}:\n{stdout}\n{stderr[-4000:]}")
+            continue
+        results.append({**json.loads(stdout.strip().splitlines()[-1]), "stderr": stderr})
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return results
+
+
+def spans(collector) -> list[dict]:
+    """Every stored span as a dict: name, kind, rank, trace, ids, local start/end, status, a(ttributes)."""
+    store = Store(collector.store, readonly=True)
+    try:
+        t = spantable.load(store)
+    finally:
+        store.close()
+    rank = t.rank
+    return [{"name": t.names[t.name[i]], "kind": int(t.kind[i]), "rank": int(rank[i]),
+             "trace": t.trace_ids[t.trace[i]], "span_id": int(t.span_id[i]), "parent": int(t.parent_id[i]),
+             "start": int(t.start[i]), "end": int(t.end[i]), "status": int(t.status[i]),
+             "a": t.attributes[i] or {}} for i in range(len(t))]
+
+
+def step_traces(rows, job: str) -> dict[str, int]:
+    """trace id -> step number, for the steps of `job`."""
+    return {f"{step_trace_id(job, k):032x}": k for k in {r["a"][sc.STEP] for r in rows if r["name"] == "step"}}
+
+
+def check_collectives_join(rows) -> dict:
+    """Every (group, seq) is on every rank of its group, with one op, in one trace."""
+    instances = collections.defaultdict(list)
+    for r in rows:
+        if r["kind"] == Kind.COLLECTIVE:
+            instances[r["a"][sc.COLL_GROUP], r["a"][sc.COLL_SEQ]].append(r)
+    for key, members in instances.items():
+        assert sorted(m["rank"] for m in members) == sorted(members[0]["a"][sc.COLL_RANKS]), key
+        assert len({m["a"][sc.COLL_OP] for m in members}) == 1, key
+        assert len({m["trace"] for m in members}) == 1, key
+    return instances
+
+
+def check_p2p_pairs(rows) -> list[tuple[dict, dict]]:
+    """Every send has exactly one receive with its (src, dst, tag, seq), and the reverse."""
+    def key(r):
+        a = r["a"]
+        return a[sc.P2P_SRC], a[sc.P2P_DST], a[sc.P2P_TAG], a[sc.P2P_SEQ]
+    sends = collections.Counter(key(r) for r in rows if r["kind"] == Kind.SEND)
+    recvs = collections.Counter(key(r) for r in rows if r["kind"] == Kind.RECV)
+    assert sends and sends == recvs and set(sends.values()) == {1}
+    recv_of = {key(r): r for r in rows if r["kind"] == Kind.RECV}
+    return [(s, recv_of[key(s)]) for s in rows if s["kind"] == Kind.SEND]
+
+
+WORKER = """
+import json, os, time
+import torch, torch.distributed as dist
+import crosstrace
+from crosstrace.tracer.instrument import torch_dist
+
+provider = crosstrace.init()
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+report = {}
+
+def error_of(call):
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+# Before any process group: torch's own error comes through, unchanged.
+crosstrace.instrument_collectives()
+traced_error = error_of(lambda: dist.all_reduce(torch.ones(1)))
+crosstrace.uninstrument_collectives()
+report["no_group_error"] = [traced_error, error_of(lambda: dist.all_reduce(torch.ones(1)))]
+crosstrace.instrument_collectives()
+crosstrace.instrument_collectives()  # twice is once
+
+dist.init_process_group("gloo")
+evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+def one_of_each():
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t)
+    work = dist.all_reduce(t, async_op=True)
+    time.sleep(0.03)                  # the span of an async op ends at wait()
+    work.wait()
+    dist.all_gather([torch.zeros(4) for _ in range(world)], t)
+    dist.all_gather_into_tensor(torch.zeros(4 * world), t)
+    dist.reduce_scatter(torch.zeros(4), [t.clone() for _ in range(world)])
+    dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * world))
+    dist.broadcast(t, src=world - 1)
+    dist.reduce(t, dst=0)
+    dist.all_to_all([torch.zeros(2) for _ in range(world)], [torch.ones(2) for _ in range(world)])
+    dist.all_to_all_single(torch.zeros(2 * world), torch.ones(2 * world))
+    dist.barrier()
+    dist.barrier(async_op=True).wait()
+    if rank % 2 == 0:
+        dist.all_reduce(t, group=evens)
+    if rank % 2 == 0:                 # a ring of blocking sends ...
+        dist.send(t, nxt); dist.recv(t, prv)
+    else:
+        dist.recv(t, prv); dist.send(t, nxt)
+    for work in [dist.isend(t, nxt, tag=7), dist.irecv(torch.zeros(4), prv, tag=7)]:  # ... of isend/irecv
+        work.wait()
+    ops = [dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, torch.zeros(4), prv)]
+    for work in dist.batch_isend_irecv(ops):  # ... and a batch
+        work.wait()
+    if world == 2:                    # a receive from any source learns its sender at completion
+        if rank == 0:
+            dist.send(t, 1, tag=3)
+        else:
+            dist.recv(torch.zeros(4), tag=3)
+
+for k in range(5):
+    with crosstrace.step(k, every=2 if k >= 3 else 1):  # step 3 is not sampled
+        one_of_each()
+
+crosstrace.uninstrument_collectives()
+report["restored"] = dist.all_reduce is torch.distributed.distributed_c10d.all_reduce is torch_dist.original("all_reduce")
+with crosstrace.step(6):
+    dist.all_reduce(torch.ones(1))   # untraced now
+dist.destroy_process_group()
+report["flushed"] = provider.force_flush(30000)
+print(json.dumps(report))
+"""
+
+PER_STEP = {"all_reduce": 2, "all_gather": 1, "all_gather_into_tensor": 1, "reduce_scatter": 1,
+            "reduce_scatter_tensor": 1, "broadcast": 1, "reduce": 1, "all_to_all": 1, "all_to_all_single": 1,
+            "barrier": 2}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_and_p2p_join_across_ranks(world, collector, tmp_path):
+    job = f"collectives-{world}"
+    reports = run_ranks(WORKER, world, collector, tmp_path, job_id=job)
+    for report in reports:
+        traced, plain = report["no_group_error"]
+        assert traced == plain and "process group" in plain.lower()
+        assert report["restored"] and report["flushed"]
+
+    rows = spans(collector)
+    assert not [r for r in rows if r["status"] == Status.ERROR]
+    step_of = step_traces(rows, job)
+    assert sorted(step_of.values()) == [0, 1, 2, 4, 6]  # step 3 unsampled
+    steps = [r for r in rows if r["name"] == "step"]
+    assert len(steps) == 5 * world and all(r["trace"] in step_of for r in steps)
+
+    instances = check_collectives_join(rows)
+    ops = [r for r in rows if r["kind"] == Kind.COLLECTIVE]
+    assert all(r["trace"] in step_of and step_of[r["trace"]] in (0, 1, 2, 4) for r in ops)
+    world_group = [r for r in ops if len(r["a"][sc.COLL_RANKS]) == world]
+    for rank in range(world):
+        for k in (0, 1, 2, 4):
+            mine = collections.Counter(r["name"] for r in world_group
+                                       if r["rank"] == rank and step_of[r["trace"]] == k)
+            assert mine == PER_STEP, (rank, k)
+    # seq counts collectives per group, whether recorded or not: step 3's are missing from the
+    # store, but step 4 continues where step 3 left off.
+    per_step = sum(PER_STEP.values())
+    seqs = sorted({r["a"][sc.COLL_SEQ] for r in world_group})
+    assert seqs == list(range(3 * per_step)) + list(range(4 * per_step, 5 * per_step))
+    evens = sorted(seq for (group, seq), members in instances.items()
+                   if members[0]["a"][sc.COLL_RANKS] == list(range(0, world, 2)))
+    assert evens == [0, 1, 2, 4]  # a subgroup keeps its own count
+
+    root = {r["a"][sc.COLL_OP]: r["a"].get(sc.COLL_ROOT) for r in ops}
+    assert root["broadcast"] == world - 1 and root["reduce"] == 0 and root["all_reduce"] is None
+    nbytes = {"all_reduce": 16, "all_gather": 16, "all_gather_into_tensor": 16, "reduce_scatter": 16 * world,
+              "reduce_scatter_tensor": 16 * world, "broadcast": 16, "reduce": 16, "all_to_all": 8 * world,
+              "all_to_all_single": 8 * world, "barrier": 0}
+    assert all(r["a"][sc.COLL_BYTES] == nbytes[r["name"]] for r in ops)
+    waited = [r["end"] - r["start"] for r in ops if r["name"] == "all_reduce" and r["a"][sc.COLL_ASYNC]]
+    assert len(waited) == 4 * world and min(waited) >= 30e6
+
+    pairs = check_p2p_pairs(rows)
+    per_step = 3 * world + (world == 2)  # send, isend, batch isend per rank; the any-source pair
+    assert len(pairs) == 4 * per_step
+    assert all(s["trace"] == r["trace"] for s, r in pairs)
+    assert {s["name"] for s, _ in pairs} == {"send", "isend"} and {r["name"] for _, r in pairs} == {"recv", "irecv"}
+    assert all(r["a"][sc.P2P_BYTES] == 16 for s, r in pairs)
+

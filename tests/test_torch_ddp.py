@@ -1,0 +1,167 @@
+"""DDP gradient buckets traced through crosstrace's comm hook, on 3 real gloo ranks (3: so
+that averaging by multiplying with 1/n and by dividing by n give different bits).
+
+One job checks: the gradients are exactly DDP's own (loss and parameters after N steps,
+bit for bit, with crosstrace's default hook and with a user hook it wraps); every bucket is
+a collective joined across ranks with its index, bytes, parameter count and ready time;
+a rank sleeping 50 ms before backward makes the others enter the bucket all-reduce ~50 ms
+before it; models the hook cannot apply to warn once and train untraced.
+"""
+import collections
+import statistics
+
+import pytest
+
+from crosstrace.proto import semconv as sc
+from crosstrace.proto.semconv import Kind
+
+from .test_torch_collectives import check_collectives_join, run_ranks, spans, step_traces
+
+pytest.importorskip("torch.distributed")
+
+WORKER = """
+import json, os, time, warnings
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crosstrace
+
+provider = crosstrace.init()
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+STRAGGLER = world - 1
+
+def ddp(**options):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    return DDP(mlp, bucket_cap_mb=0.01, **options)   # several buckets
+
+def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    losses = []
+    for k in range(first_step, first_step + steps):
+        x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
+        with crosstrace.step(k):
+            loss = nn.functional.mse_loss(model(x), y)
+            if straggle_s and rank == STRAGGLER:
+                time.sleep(straggle_s)
+            opt.zero_grad(set_to_none=set_to_none)
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+def same(a, b):
+    return a[0] == b[0] and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+
+report = {}
+plain = train(ddp(), 0)                                                 # DDP's own all-reduce
+report["default_hook_exact"] = same(plain, train(crosstrace.instrument_ddp(ddp()), 10))
+def user_hooked():                        # a user's own hook, registered the usual way
+    model = ddp()
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    return model
+user_hook = train(user_hooked(), 70)      # allreduce_hook divides by n: other bits than DDP's own
+report["user_hook_exact"] = same(user_hook, train(crosstrace.instrument_ddp(
+    ddp(), hook=default_hooks.allreduce_hook), 20))
+views = dict(gradient_as_bucket_view=True)                              # gradients live in the buckets
+report["views_exact"] = same(train(ddp(**views), 50, set_to_none=False),
+                             train(crosstrace.instrument_ddp(ddp(**views)), 60, set_to_none=False))
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    crosstrace.instrument_ddp(nn.Linear(2, 2))                          # not a DDP model
+    hooked = user_hooked()
+    crosstrace.instrument_ddp(hooked)                                   # DDP allows one hook
+    crosstrace.instrument_ddp(hooked)                                   # said once
+    report["hooked_still_exact"] = same(user_hook, train(hooked, 30))
+report["warnings"] = [str(w.message) for w in caught if "crosstrace" in str(w.message)]
+
+train(crosstrace.instrument_ddp(ddp()), 40, steps=7, straggle_s=0.05)
+dist.destroy_process_group()
+report["flushed"] = provider.force_flush(30000)
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory):
+    from crosstrace.launch import CollectorProcess
+
+    tmp = tmp_path_factory.mktemp("ddp")
+    with CollectorProcess(str(tmp / "store.db")) as collector:
+        reports = run_ranks(WORKER, 3, collector, tmp, job_id="ddp-test")
+        yield reports, spans(collector)
+
+
+def test_gradients_are_exactly_ddps_own(ddp_job):
+    reports, _ = ddp_job
+    for report in reports:
+        assert report["default_hook_exact"] and report["user_hook_exact"] and report["hooked_still_exact"]
+        assert report["views_exact"]
+        assert report["flushed"]
+
+
+def test_hook_that_cannot_apply_warns_once_and_training_goes_on(ddp_job):
+    reports, rows = ddp_job
+    for report in reports:
+        assert len(report["warnings"]) == 2, report["warnings"]
+        not_ddp, hooked = report["warnings"]
+        assert "needs a DistributedDataParallel model, not Linear" in not_ddp
+        assert "already has the comm hook allreduce_hook" in hooked and "instrument_ddp(model, hook=" in hooked
+    step_of = step_traces(rows, "ddp-test")
+    assert not [r for r in rows if r["kind"] == Kind.COLLECTIVE and 30 <= step_of[r["trace"]] < 40]
+
+
+def test_buckets_are_collectives_joined_across_ranks(ddp_job):
+    _, rows = ddp_job
+    step_of = step_traces(rows, "ddp-test")
+    buckets = [r for r in rows if r["name"] == "ddp.all_reduce"]
+    assert buckets and all(r["kind"] == Kind.COLLECTIVE for r in buckets)
+    assert len(check_collectives_join(rows)) * 3 == len(buckets)
+    assert not [r for r in rows if r["kind"] == Kind.COLLECTIVE and r["name"] != "ddp.all_reduce"]
+    by_step = collections.defaultdict(list)
+    for r in buckets:
+        by_step[step_of[r["trace"]], r["rank"]].append(r)
+    assert {k for k, _ in by_step} == {*range(10, 15), *range(20, 25), *range(40, 47), *range(60, 65)}
+    n_params = 6  # 3 Linear layers: weight and bias each
+    for (k, rank), mine in by_step.items():
+        assert sum(r["a"][sc.DDP_PARAMS] for r in mine) == n_params
+        assert sum(r["a"][sc.COLL_BYTES] for r in mine) == 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8)
+        assert len({r["a"][sc.DDP_BUCKET] for r in mine}) == len(mine)
+        for r in mine:
+            assert r["a"][sc.COLL_OP] == "all_reduce" and r["a"][sc.COLL_RANKS] == [0, 1, 2]
+            assert r["a"][sc.DDP_READY_NS] <= r["start"] <= r["end"]  # ready, then issued, then done
+    if len(by_step[11, 0]) < 2:
+        pytest.fail("the test model should be split into several buckets")
+    assert all(r["a"][sc.DDP_HOOK] == "allreduce_hook" for r in buckets if 20 <= step_of[r["trace"]] < 25)
+    assert not [r for r in buckets if sc.DDP_HOOK in r["a"] and not 20 <= step_of[r["trace"]] < 25]
+
+
+def test_straggler_makes_the_others_wait_in_the_first_bucket(ddp_job):
+    """Rank 2 sleeps 50 ms before backward: ranks 0 and 1 enter each step's first bucket
+    all-reduce ~50 ms before it (raw local times: one host, no simulated offsets) and wait
+    there, while the straggler's all-reduce is short."""
+    _, rows = ddp_job
+    step_of = step_traces(rows, "ddp-test")
+    first = {}
+    for r in rows:
+        k = step_of.get(r["trace"])
+        if r["name"] == "ddp.all_reduce" and k is not None and 41 <= k < 47:  # 40 warms up DDP
+            key = (k, r["rank"])
+            if key not in first or r["a"][sc.COLL_SEQ] < first[key]["a"][sc.COLL_SEQ]:
+                first[key] = r
+    leads, waits, straggler_waits = [], [], []
+    for k in range(41, 47):
+        straggler = first[k, 2]
+        for rank in range(2):
+            assert first[k, rank]["a"][sc.COLL_SEQ] == straggler["a"][sc.COLL_SEQ]
+            leads.append(straggler["start"] - first[k, rank]["start"])
+            waits.append(first[k, rank]["end"] - first[k, rank]["start"])
+        straggler_waits.append(straggler["end"] - straggler["start"])
+    lead_ms, wait_ms = statistics.median(leads) / 1e6, statistics.median(waits) / 1e6
+    print(f"others enter the bucket all-reduce {lead_ms:.1f} ms before the straggler (median), "
+          f"and spend {wait_ms:.1f} ms in it; the straggler {statistics.median(straggler_waits) / 1e6:.1f} ms")
+    assert 40 <= lead_ms <= 80
+    assert 40 <= wait_ms and statistics.median(straggler_waits) / 1e6 < 25

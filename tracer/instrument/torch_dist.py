@@ -1,0 +1,659 @@
+"""torch.distributed instrumentation: collectives, point-to-point ops, DDP gradient buckets.
+
+    crosstrace.instrument_collectives()     # all_reduce & co. -> COLLECTIVE spans,
+                                            # send/recv & co. -> SEND/RECV spans
+    crosstrace.instrument_ddp(ddp_model)    # one COLLECTIVE span per gradient bucket
+
+The keys the collector joins on (proto/semconv.py):
+- Collectives: (collective.group, collective.seq). The group is torch's group name, the
+  same on every rank; seq counts the collectives crosstrace saw on that group in this
+  process (explicit ones and DDP buckets alike), so one collective has one number on
+  every rank. Also op (the family: all_gather_into_tensor is "all_gather"), bytes (this
+  rank's input), ranks (the group's global ranks), async, and root for broadcast/reduce.
+- Point-to-point: (p2p.src, p2p.dst, p2p.tag, p2p.seq) in global ranks; seq counts the
+  messages from src to dst with that tag in the order each side posts them, which is the
+  order the backends match them in.
+
+Timing: a synchronous call is timed by the call (with NCCL it returns once the kernel is
+queued: host time only); an async one (async_op=True, isend, irecv, batch_isend_irecv)
+from the call until its wait() returns, is_completed() reports it done, or the future
+from get_future() completes. A DDP bucket from the moment DDP hands it to the hook (the
+all-reduce is issued) to the completion callback, which runs on a backend thread; the
+time its last gradient was ready is the attribute ddp.ready_ns (same clock as the span).
+
+Spans are recorded inside a sampled step (crosstrace.step) or outside any step; inside an
+unsampled one only the counters advance. A call made inside an instrumented call (torch's
+send() calls isend()) counts once, as the outer call.
+
+Limits: references taken before instrument_collectives() (`from torch.distributed import
+all_reduce`) bypass it; ops inside torch's private _coalescing_manager are counted but
+not timed; a receive from any source gets its src and seq when it completes (best
+effort); torch.compile'd regions see the wrappers as plain Python functions.
+"""
+import atexit
+import functools
+import inspect
+import itertools
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from opentelemetry import trace as trace_api
+from opentelemetry.trace.status import StatusCode
+
+from ...proto import semconv as sc
+from ..provider import TracerProvider
+from ..step import active_step
+
+AVAILABLE = dist.is_available()
+if AVAILABLE:
+    from torch.distributed import distributed_c10d as c10d
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """One clear warning per cause; instrumentation never stops the job it traces."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    level, frame = 2, sys._getframe(1)  # point the warning at the first caller outside crosstrace
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "crosstrace":
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"crosstrace: {message}", RuntimeWarning, stacklevel=level)
+
+
+def distributed_available(what: str) -> bool:
+    if not AVAILABLE:
+        warn_once("no-distributed", f"{what}: this torch {torch.__version__} has no torch.distributed; "
+                                    "nothing is traced")
+    return AVAILABLE
+
+
+# -- where spans go -------------------------------------------------------------------------
+
+class _Tracing:
+    """The global provider's tracer and clock, refreshed when the global provider changes."""
+    provider = None
+    tracer = None
+    now = staticmethod(lambda: _tracing().now())  # until the first _tracing(): resolve, then stamp
+
+
+def _tracing() -> type[_Tracing]:
+    provider = trace_api.get_tracer_provider()
+    if provider is not _Tracing.provider:
+        _Tracing.tracer = provider.get_tracer("crosstrace.torch")
+        _Tracing.now = provider.clock.now if isinstance(provider, TracerProvider) else time.time_ns
+        _Tracing.provider = provider
+    return _Tracing
+
+
+def _parent():
+    """The parent context of a new span: None for the current context, the open step's on
+    threads without a context of their own, False inside an unsampled step (record nothing)."""
+    ctx = trace_api.get_current_span().get_span_context()
+    if ctx.is_valid:
+        return None if ctx.trace_flags.sampled else False
+    step = active_step()
+    if step is None:
+        return None
+    return step if trace_api.get_current_span(step).get_span_context().trace_flags.sampled else False
+
+
+def _end(spans, exc: BaseException | None = None) -> None:
+    for span in spans:
+        if span is None:
+            continue
+        if isinstance(exc, Exception):
+            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+        span.end()
+
+
+class _Local(threading.local):
+    busy = False  # inside an instrumented call on this thread: nested calls are not traced again
+
+
+_local = _Local()
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+class _Group:
+    __slots__ = ("name", "ranks", "seq")
+
+    def __init__(self, name: str, ranks: list[int], seq=None):
+        self.name = name
+        self.ranks = ranks
+        self.seq = seq or itertools.count()
+
+
+_groups: dict[str, _Group] = {}
+_pairs: dict[tuple[int, int, int], itertools.count] = {}
+_p2p_tags: dict[int, dict] = {}
+
+
+def _group(pg) -> _Group | None:
+    """Name, global ranks and collective counter of a process group; None where this rank
+    is not a member (torch does nothing there either)."""
+    if pg is None:
+        pg = c10d._get_default_group()
+    elif pg is c10d.GroupMember.NON_GROUP_MEMBER:
+        return None
+    name = pg.group_name
+    group = _groups.get(name)
+    if group is None or len(group.ranks) != pg.size():  # new, or re-created under the same name
+        group = _groups[name] = _Group(name, c10d.get_process_group_ranks(pg), group and group.seq)
+    return group
+
+
+def _pair_seq(src: int, dst: int, tag: int) -> int:
+    counter = _pairs.get((src, dst, tag))
+    if counter is None:
+        counter = _pairs.setdefault((src, dst, tag), itertools.count())
+    return next(counter)
+
+
+def tag_p2p(tensor, attributes: dict) -> None:
+    """Extra attributes for the next send or receive of `tensor` (pipeline.py adds the
+    stage, microbatch and action this way)."""
+    _p2p_tags[id(tensor)] = attributes
+
+
+def clear_p2p_tags() -> None:
+    _p2p_tags.clear()
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(map(_nbytes, value))
+    return 0
+
+
+class Params:
+    """Where a function's arguments are, to read them per call without inspect.bind()."""
+
+    def __init__(self, fn):
+        params = inspect.signature(fn).parameters
+        self.position = {name: i for i, name in enumerate(params)}
+        self.default = {name: p.default for name, p in params.items()}
+
+    def get(self, name: str, args: tuple, kwargs: dict):
+        if name in kwargs:
+            return kwargs[name]
+        i = self.position[name]
+        return args[i] if i < len(args) else self.default[name]
+
+
+# -- collectives and point-to-point -------------------------------------------------------
+
+# function -> (op family, the argument holding this rank's input, the argument naming a root)
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", "tensor", None),
+    "all_gather": ("all_gather", "tensor", None),
+    "all_gather_into_tensor": ("all_gather", "input_tensor", None),
+    "reduce_scatter": ("reduce_scatter", "input_list", None),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", None),
+    "all_to_all": ("all_to_all", "input_tensor_list", None),
+    "all_to_all_single": ("all_to_all", "input", None),
+    "broadcast": ("broadcast", "tensor", "src"),
+    "reduce": ("reduce", "tensor", "dst"),
+    "barrier": ("barrier", None, None),
+}
+POINT_TO_POINT = {"send": True, "isend": True, "recv": False, "irecv": False}  # name -> is a send
+
+
+def _global_rank(group, rank, group_rank):
+    """A peer or root as a global rank, from either of torch's ways to name it."""
+    if rank is not None or group_rank is None:
+        return rank
+    return c10d.get_global_rank(group if group is not None else c10d._get_default_group(), group_rank)
+
+
+def _traced_collective(name: str, original):
+    op, input_arg, root_arg = COLLECTIVES[name]
+    params = Params(original)
+
+    def traced(*args, **kwargs):
+        if _local.busy:
+            return original(*args, **kwargs)
+        span = failure = None
+        asynchronous = False
+        try:
+            pg = params.get("group", args, kwargs)
+            group = _group(pg)
+            if group is not None:
+                seq = next(group.seq)
+                asynchronous = bool(params.get("async_op", args, kwargs))
+                parent = _parent()
+                if parent is not False:
+                    attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
+                                  sc.COLL_OP: op, sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: asynchronous,
+                                  sc.COLL_BYTES: _nbytes(params.get(input_arg, args, kwargs)) if input_arg else 0}
+                    if root_arg is not None:
+                        attributes[sc.COLL_ROOT] = _global_rank(pg, params.get(root_arg, args, kwargs),
+                                                                params.get(f"group_{root_arg}", args, kwargs))
+                    span = _tracing().tracer.start_span(name, parent, attributes=attributes)
+        except Exception as exc:  # tracing must not change what the call does
+            failure = exc
+        return _call(name, original, args, kwargs, [span] if span is not None else None, asynchronous, failure)
+
+    return traced
+
+
+def _start_p2p(name: str, send: bool, peer, tag: int, tensor):
+    """A SEND or RECV span keyed (src, dst, tag, seq); None when not recorded. The pair's
+    counter advances either way (not for a receive from any source: see _any_source)."""
+    extra = _p2p_tags.pop(id(tensor), None)
+    me = c10d.get_rank()
+    src, dst = (me, peer) if send else (peer, me)
+    seq = _pair_seq(src, dst, tag) if peer is not None else None
+    parent = _parent()
+    if parent is False:
+        return None
+    attributes = {sc.KIND: "send" if send else "recv", sc.P2P_SRC: src, sc.P2P_DST: dst, sc.P2P_TAG: tag,
+                  sc.P2P_SEQ: seq, sc.P2P_BYTES: _nbytes(tensor)}
+    if extra:
+        attributes.update(extra)
+    return _tracing().tracer.start_span(name, parent, attributes=attributes)
+
+
+def _any_source(group, tag: int):
+    """For a receive from any source: set src and seq once the sender is known."""
+    def finish(result, spans):
+        src = result if isinstance(result, int) else _global_rank(group, None, result._source_rank())
+        seq = _pair_seq(src, c10d.get_rank(), tag)
+        for span in spans:
+            if span is not None:
+                span.set_attributes({sc.P2P_SRC: src, sc.P2P_SEQ: seq})
+    return finish
+
+
+def _traced_p2p(name: str, original):
+    send = POINT_TO_POINT[name]
+    peer_arg = "dst" if send else "src"
+    asynchronous = name.startswith("i")
+    params = Params(original)
+
+    def traced(*args, **kwargs):
+        if _local.busy:
+            return original(*args, **kwargs)
+        span = failure = finish = None
+        try:
+            group = params.get("group", args, kwargs)
+            if group is not c10d.GroupMember.NON_GROUP_MEMBER:
+                peer = _global_rank(group, params.get(peer_arg, args, kwargs),
+                                    params.get(f"group_{peer_arg}", args, kwargs))
+                tag = params.get("tag", args, kwargs) or 0
+                span = _start_p2p(name, send, peer, tag, params.get("tensor", args, kwargs))
+                if peer is None:  # counted once the sender is known, recorded or not
+                    finish = _any_source(group, tag)
+        except Exception as exc:
+            failure = exc
+        return _call(name, original, args, kwargs, [span] if span is not None else None, asynchronous,
+                     failure, finish)
+
+    return traced
+
+
+def _traced_batch(name: str, original):
+    isend = c10d.isend
+
+    def traced(p2p_op_list):
+        if _local.busy:
+            return original(p2p_op_list)
+        spans, failure = [], None
+        try:
+            for p2p in p2p_op_list:
+                send = p2p.op == isend  # the original or its stand-in: they compare equal
+                p2p.op = c10d.isend if send else c10d.irecv  # torch tells them apart by identity
+                spans.append(_start_p2p("isend" if send else "irecv", send, p2p.peer, p2p.tag, p2p.tensor))
+        except Exception as exc:
+            spans, failure = [], exc
+        works = _call(name, original, (p2p_op_list,), {}, spans, False, failure, ended=False)
+        recorded = [s for s in spans if s is not None]
+        if not recorded:
+            return works
+        if len(works) == len(spans):
+            return [w if s is None else _TracedWork(w, [s]) for w, s in zip(works, spans)]
+        if works:  # coalesced (NCCL): the last work completes them all
+            return [*works[:-1], _TracedWork(works[-1], recorded)]
+        _end(recorded)
+        return works
+
+    return traced
+
+
+def _call(name, original, args, kwargs, spans, asynchronous, failure, finish=None, ended=True):
+    """Run the original with nested calls untraced; end or hand over the spans."""
+    _local.busy = True
+    try:
+        result = original(*args, **kwargs)
+    except BaseException as exc:
+        if spans:
+            _end(spans, exc)
+        raise
+    finally:
+        _local.busy = False
+    if failure is not None:
+        warn_once(f"trace-{name}", f"could not trace torch.distributed.{name} ({failure!r}); it runs untraced")
+    if not ended or (not spans and finish is None):
+        return result
+    spans = spans or []
+    try:
+        if asynchronous and result is not None:
+            if isinstance(result, getattr(c10d, "_IllegalWork", ())):
+                return result  # inside torch's coalescing manager: counted, not timed
+            return _TracedWork(result, spans, finish)
+        if finish is not None and result is not None:
+            finish(result, spans)
+        _end(spans)
+    except Exception as exc:
+        warn_once(f"trace-{name}", f"could not trace torch.distributed.{name} ({exc!r}); it runs untraced")
+    return result
+
+
+class _TracedWork(dist.Work if AVAILABLE else object):
+    """The Work of an async op; its spans end once the op is known complete: wait()
+    returned, is_completed() said so, or the future from get_future() finished. Everything
+    else is the wrapped Work's."""
+
+    def __init__(self, work, spans, finish=None):
+        super().__init__()
+        self._work = work
+        self._pending = [spans]  # list.pop() is atomic: exactly one caller ends the spans
+        self._finish = finish
+
+    def _complete(self, exc: BaseException | None = None) -> None:
+        try:
+            spans = self._pending.pop()
+        except IndexError:
+            return
+        try:
+            if self._finish is not None and exc is None:
+                self._finish(self._work, spans)
+            _end(spans, exc)
+        except Exception as err:
+            warn_once("trace-work", f"could not end a torch.distributed span ({err!r})")
+
+    def wait(self, *args, **kwargs):
+        try:
+            done = self._work.wait(*args, **kwargs)
+        except BaseException as exc:
+            self._complete(exc)
+            raise
+        if done is not False:
+            self._complete()
+        return done
+
+    def is_completed(self):
+        done = self._work.is_completed()
+        if done:
+            self._complete()
+        return done
+
+    def get_future(self):
+        future = self._work.get_future()
+        future.add_done_callback(lambda _: self._complete())
+        return future
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._work, name)(*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+if AVAILABLE:
+    for _name in dir(dist.Work):
+        if not _name.startswith("__") and _name not in _TracedWork.__dict__ and _name not in (
+                "unbox", "_pybind11_conduit_v1_"):
+            setattr(_TracedWork, _name, _delegate(_name))
+
+
+class _Patched:
+    """The traced stand-in for a torch.distributed function. It compares equal to the
+    function it wraps, so torch's own checks (P2POp takes only isend or irecv) accept
+    either, including references taken before instrumenting."""
+
+    def __init__(self, original, call):
+        functools.update_wrapper(self, original)
+        self._call = call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __eq__(self, other):
+        return other is self or other is self.__wrapped__ or (
+            isinstance(other, _Patched) and other.__wrapped__ is self.__wrapped__)
+
+    def __hash__(self):
+        return hash(self.__wrapped__)
+
+    def __repr__(self):
+        return f"<crosstrace-traced {self.__wrapped__!r}>"
+
+
+WRAPPERS = {**{name: _traced_collective for name in COLLECTIVES},
+            **{name: _traced_p2p for name in POINT_TO_POINT},
+            "batch_isend_irecv": _traced_batch}
+_installed: dict[str, tuple] = {}  # name -> (original, stand-in)
+
+
+def instrument_collectives() -> bool:
+    """Trace torch.distributed's collectives and point-to-point ops (both torch.distributed
+    and torch.distributed.distributed_c10d); False where torch.distributed is missing."""
+    if not distributed_available("instrument_collectives"):
+        return False
+    for name, make in WRAPPERS.items():
+        if name in _installed:
+            continue
+        original = getattr(c10d, name, None)
+        if original is None:
+            warn_once(f"missing-{name}", f"torch {torch.__version__} has no torch.distributed.{name}; "
+                                         "it is not traced")
+            continue
+        patched = _Patched(original, make(name, original))
+        for module in (c10d, dist):
+            if getattr(module, name, None) is original:
+                setattr(module, name, patched)
+        _installed[name] = (original, patched)
+    return True
+
+
+def uninstrument_collectives() -> None:
+    """Put the original functions back (where nobody has replaced ours since)."""
+    for name, (original, patched) in list(_installed.items()):
+        for module in (c10d, dist):
+            if getattr(module, name, None) is patched:
+                setattr(module, name, original)
+        del _installed[name]
+
+
+def original(name: str):
+    """The untraced torch.distributed function."""
+    return _installed[name][0] if name in _installed else getattr(c10d, name)
+
+
+# -- DDP gradient buckets ------------------------------------------------------------------
+
+def instrument_ddp(model, hook=None, state=None):
+    """Trace each gradient bucket of a DistributedDataParallel model as a COLLECTIVE span
+    (bucket index, bytes, parameter count, ready/issue/complete times), through a DDP comm
+    hook. Without `hook` the bucket is averaged exactly as DDP's built-in all-reduce does
+    (the same gradients, bit for bit). To keep a comm hook of your own, pass it here
+    (`instrument_ddp(model, hook=powerSGD_hook, state=...)`) instead of to
+    model.register_comm_hook(): DDP allows one hook per model, so a model that already has
+    one (or a built-in C++ hook) is left untraced with a warning. Returns the model."""
+    if not distributed_available("instrument_ddp"):
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        warn_once("ddp-type", f"instrument_ddp needs a DistributedDataParallel model, not "
+                              f"{type(model).__name__}; its gradient sync is not traced")
+        return model
+    if getattr(model, "_comm_hooks", None):
+        existing = getattr(model._comm_hooks[0][0], "__qualname__", "a comm hook")
+        warn_once("ddp-hooked", f"this DDP model already has the comm hook {existing} and DDP allows one; "
+                                "pass it as crosstrace.instrument_ddp(model, hook=..., state=...) instead "
+                                "of model.register_comm_hook() to trace it. Its buckets are not traced")
+        return model
+    buckets = BucketTracer(model, hook, state)
+    try:
+        model.register_comm_hook(buckets, _traced_bucket)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        buckets.remove()
+        warn_once("ddp-register", f"could not register crosstrace's DDP comm hook ({exc}); "
+                                  "the model's buckets are not traced")
+    return model
+
+
+def _traced_bucket(state, bucket):
+    """The comm hook DDP calls with each bucket (DDP wants the parameter named `bucket`)."""
+    return state.run(bucket)
+
+
+class BucketTracer:
+    """State of crosstrace's DDP comm hook: runs the all-reduce (or the user's hook) on a
+    bucket and records it. Parameter hooks stamp when each gradient was accumulated, so a
+    bucket's ready time is its last gradient's even when DDP issues buckets in order later."""
+
+    def __init__(self, model, hook=None, state=None):
+        self.group = model.process_group
+        self.size = self.group.size()
+        self.grads_are_views = getattr(model, "gradient_as_bucket_view", False)
+        self.hook, self.state = hook, state
+        self.hook_name = getattr(hook, "__qualname__", repr(hook)) if hook is not None else None
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        self.param_index = {id(p): i for i, p in enumerate(params)}
+        self.ready = [0] * len(params)
+        self.grad_storage = [0] * len(params)  # where each gradient was accumulated: in its bucket?
+        self.handles = []
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            warn_once("ddp-ready", f"torch {torch.__version__} has no post-accumulate-grad hooks; a bucket's "
+                                   "ready time is taken as its issue time")
+            return
+        for i, p in enumerate(params):
+            self.handles.append(p.register_post_accumulate_grad_hook(self._stamp(i)))
+
+    def _stamp(self, i: int):
+        ready, storages, tracing = self.ready, self.grad_storage, _Tracing
+
+        def stamp(param) -> None:
+            ready[i] = tracing.now()
+            storages[i] = param.grad.untyped_storage().data_ptr()
+        return stamp
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def run(self, bucket):
+        span = None
+        try:
+            span = self._start(bucket)
+        except Exception as exc:  # never let tracing break gradient sync
+            warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
+        if self.hook is None:
+            tensor = self._average(bucket)
+            future = original("all_reduce")(tensor, group=self.group, async_op=True).get_future()
+            unwrap = True
+        else:
+            _local.busy = True  # the hook's own collectives are this span's
+            try:
+                future = self.hook(self.state, bucket)
+            except BaseException as exc:
+                _end([span], exc)
+                raise
+            finally:
+                _local.busy = False
+            unwrap = False
+        if span is None and not unwrap:
+            return future
+        return future.then(_BucketDone(span, unwrap))
+
+    def _average(self, bucket):
+        """Scale the bucket before the sum exactly as DDP's built-in all-reduce does: it
+        multiplies a gradient by 1/n while copying it into the bucket, and divides in place
+        one that already was a view of the bucket when it was accumulated (gradient_as_bucket_view;
+        the parameter hooks record where each gradient was)."""
+        tensor = bucket.buffer()
+        if self.grads_are_views:
+            i = self.param_index.get(id(bucket.parameters()[0]))
+            if i is not None and self.grad_storage[i] == tensor.untyped_storage().data_ptr():
+                return tensor.div_(self.size)
+        return tensor.mul_(1.0 / self.size)
+
+    def _start(self, bucket):
+        group = _group(self.group)
+        seq = next(group.seq)
+        parent = _parent()
+        if parent is False:
+            return None
+        tracing = _tracing()
+        issued = tracing.now()
+        params = bucket.parameters()
+        ready, stamps, index = 0, self.ready, self.param_index
+        for p in params:
+            i = index.get(id(p))
+            if i is not None:
+                ready = max(ready, stamps[i])
+                stamps[i] = 0  # a parameter unused in the next step leaves no stale time
+        buffer = bucket.buffer()
+        attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
+                      sc.COLL_OP: "all_reduce", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: True,
+                      sc.COLL_BYTES: buffer.numel() * buffer.element_size(), sc.DDP_BUCKET: bucket.index(),
+                      sc.DDP_PARAMS: len(params), sc.DDP_READY_NS: ready or issued}
+        if self.hook_name is not None:
+            attributes[sc.DDP_HOOK] = self.hook_name
+        return tracing.tracer.start_span("ddp.all_reduce", parent, attributes=attributes)
+
+
+class _BucketDone:
+    """A bucket's completion callback, run on a backend thread: ends the span (if any) and
+    passes the result on. The backend drops its callbacks after completing the future, and
+    dropping one takes the GIL, which aborts the process if the interpreter is already
+    finalizing (a short script that exits right after its last backward). So the callbacks
+    still held are counted, and at exit crosstrace waits for them, briefly."""
+
+    __slots__ = ("span", "unwrap")
+    held = 0
+    _lock = threading.RLock()  # __del__ may run inside it (a collection)
+    _exit_hook = False
+
+    def __init__(self, span, unwrap: bool):
+        self.span = span
+        self.unwrap = unwrap
+        with _BucketDone._lock:
+            _BucketDone.held += 1
+        if not _BucketDone._exit_hook:
+            _BucketDone._exit_hook = True
+            atexit.register(_BucketDone.wait_released)
+
+    def __call__(self, future):
+        try:
+            value = future.value()
+        except BaseException as exc:
+            if self.span is not None:
+                _end([self.span], exc)
+            raise
+        if self.span is not None:
+            self.span.end()
+        return value[0] if self.unwrap else value
+
+    def __del__(self):
+        with _BucketDone._lock:
+            _BucketDone.held -= 1
+
+    @staticmethod
+    def wait_released(timeout_s: float = 1.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while _BucketDone.held > 0 and time.monotonic() < deadline:
+            time.sleep(0.001)

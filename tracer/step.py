@@ -1,0 +1,191 @@
+"""Training steps: one trace per step, shared by every rank without a message.
+
+    with crosstrace.step(k):              # step k of the training loop
+        ...
+    with crosstrace.step(k, every=10):    # trace every 10th step
+        ...
+    @crosstrace.step                      # each call is the next step
+    def train_step(batch): ...
+    for batch in crosstrace.steps(loader):  # each iteration is a step; fetching the batch too
+        ...
+
+The trace id of step k is a hash of (job_id, k): every rank computes the same id on its
+own, so the collector finds all ranks' spans of a step in one trace. Sampling is the same
+on every rank too (k % every == 0); inside an unsampled step the current span is a
+non-recording one, so spans started under it (collectives, DDP buckets, user spans) cost
+next to nothing and are not exported: crosstrace's Tracer and OpenTelemetry's SDK both
+follow the parent's sampled flag.
+
+It uses OpenTelemetry's global provider, whichever it is. Choosing a trace id through the
+OpenTelemetry API means starting the span under a remote parent of that id; with
+crosstrace's provider that parent is dropped again, so the step span is a root of its
+trace on each rank. Other providers keep the (never recorded) parent.
+"""
+import functools
+import hashlib
+import os
+
+from opentelemetry import context as context_api
+from opentelemetry import trace as trace_api
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.status import StatusCode
+
+from ..proto import semconv as sc
+from .provider import TracerProvider
+from .span import Span
+
+_M64 = (1 << 64) - 1
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+
+_next_step = 0    # the number a step without an explicit number gets
+_active = None    # Context of the innermost open step in this process (see active_step)
+
+
+def step_trace_id(job_id: str, k: int) -> int:
+    """The 128-bit trace id of step k of a job: the same on every rank, never 0."""
+    digest = hashlib.blake2b(f"{job_id}\x00{k}".encode(), digest_size=16, person=b"crosstrace.step").digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def job_id_of(provider) -> str:
+    """The job id steps are derived from: crosstrace's configured one (the same that goes
+    into every batch's Resource), else CROSSTRACE_JOB_ID, else torchrun's run id."""
+    if isinstance(provider, TracerProvider):
+        return provider.config.job_id
+    env = os.environ
+    return env.get("CROSSTRACE_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "default"
+
+
+def active_step():
+    """The Context of the innermost step open in this process, or None. For code that runs
+    on threads where the step's context is not current (backend and autograd threads)."""
+    return _active
+
+
+def _origin(trace_id: int, sampled: bool) -> NonRecordingSpan:
+    """The remote parent that carries a step's trace id and sampling decision."""
+    flags = _SAMPLED if sampled else _NOT_SAMPLED
+    return NonRecordingSpan(SpanContext(trace_id, (trace_id & _M64) or 1, True, flags))
+
+
+class Step:
+    """One training step: a context manager, or a decorator whose every call is a step."""
+
+    __slots__ = ("k", "every", "name", "job_id", "attributes", "span", "_token", "_outer")
+
+    def __init__(self, k: int | None = None, every: int = 1, name: str = "step",
+                 job_id: str | None = None, attributes: dict | None = None):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"crosstrace.step: every must be a positive integer, not {every!r}")
+        self.k = k
+        self.every = every
+        self.name = name
+        self.job_id = job_id
+        self.attributes = attributes
+        self.span = None
+
+    def __enter__(self):
+        global _next_step, _active
+        if self.span is not None:
+            raise RuntimeError("crosstrace.step: a step object can be entered only once")
+        k = _next_step if self.k is None else int(self.k)
+        _next_step = k + 1
+        self.k = k
+        provider = trace_api.get_tracer_provider()
+        job = self.job_id or job_id_of(provider)
+        trace_id = step_trace_id(job, k)
+        if k % self.every:
+            span = _origin(trace_id, sampled=False)
+        else:
+            attributes = {sc.STEP: k, sc.JOB_ID: job}
+            if self.attributes:
+                attributes.update(self.attributes)
+            parent = trace_api.set_span_in_context(_origin(trace_id, sampled=True))
+            span = provider.get_tracer(__name__).start_span(self.name, parent, attributes=attributes)
+            if isinstance(span, Span):
+                span.parent_id = 0  # a root of its trace on this rank
+        ctx = trace_api.set_span_in_context(span)
+        self.span = span
+        self._token = context_api.attach(ctx)
+        self._outer, _active = _active, ctx
+        return span
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        span = self._leave()
+        if span.is_recording():
+            if isinstance(exc, Exception):
+                span.record_exception(exc, escaped=True)
+                span.set_status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}")
+            span.end()
+        return False
+
+    def discard(self) -> None:
+        """Leave the step without recording it (a loop that turned out to be over)."""
+        self._leave()
+
+    def _leave(self):
+        global _active
+        _active = self._outer
+        context_api.detach(self._token)
+        return self.span
+
+    @property
+    def sampled(self) -> bool:
+        return self.span is not None and self.span.get_span_context().trace_flags.sampled
+
+    def __call__(self, func):
+        if self.k is not None:
+            raise TypeError("crosstrace.step used as a decorator numbers the calls itself: "
+                            "give it no step number")
+        options = (self.every, self.name, self.job_id, self.attributes)
+
+        @functools.wraps(func)
+        def traced(*args, **kwargs):
+            with Step(None, *options):
+                return func(*args, **kwargs)
+
+        return traced
+
+
+def step(k=None, *, every: int = 1, name: str = "step", job_id: str | None = None,
+         attributes: dict | None = None):
+    """Step k of the training loop (the next number when k is omitted), traced when
+    k % every == 0. `with crosstrace.step(k):`, `@crosstrace.step` or
+    `@crosstrace.step(every=10)`. job_id defaults to crosstrace's configured job id."""
+    if callable(k):
+        return Step(None, every, name, job_id, attributes)(k)
+    return Step(k, every, name, job_id, attributes)
+
+
+def steps(iterable, *, start: int | None = None, every: int = 1, name: str = "step",
+          job_id: str | None = None, attributes: dict | None = None):
+    """Iterate over `iterable` (a data loader), each iteration inside its own step: the
+    fetch of the item (a DATA span "next_batch") and the loop body that uses it. Numbers
+    continue from `start`, else from the last step."""
+    items = iter(iterable)
+    k = start
+    while True:
+        current = Step(k, every, name, job_id, attributes)
+        span = current.__enter__()
+        fetch = None
+        if span.is_recording():
+            tracer = trace_api.get_tracer(__name__)
+            fetch = tracer.start_span("next_batch", attributes={sc.KIND: "data"})
+        try:
+            item = next(items)
+        except StopIteration:
+            current.discard()  # the fetch span is never ended, so never exported
+            return
+        except BaseException as exc:
+            current.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if fetch is not None:
+            fetch.end()
+        try:
+            yield item
+        except BaseException as exc:  # GeneratorExit when the loop breaks or fails
+            current.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        current.__exit__(None, None, None)
+        k = None if k is None else k + 1
