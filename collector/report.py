@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import spantable
+from . import attribution, budgets, spantable
 from .align import Alignment, align, fit_models
 from .matching import Matches, match
 from .spantable import SpanTable
@@ -67,19 +67,32 @@ def trace_summaries(a: Analysed) -> list[dict]:
 
 
 def clocks_section(models) -> dict:
+    """Per node: the current offset and drift (last segment), the largest error bound over
+    the sampled range, the drift's bound, the sources the estimate rests on, and flags
+    (rejected sources, outliers, clock steps, causality conflicts or violations)."""
+    def bound(x):
+        return round(x) if math.isfinite(x) else None
+
     out = {}
     for node_id, m in sorted(models.items()):
+        first, last = m.span_ns
         out[node_id] = {"offset_ns": round(m.offset_ns), "drift_ppm": round(m.drift_ppm, 4),
-                        "at_local_ns": m.at_ns,
-                        "error_bound_ns": round(m.error_ns) if math.isfinite(m.error_ns) else None,
+                        "at_local_ns": m.at_ns, "error_bound_ns": bound(m.error_ns),
+                        "drift_bound_ppm": round(m.drift_error_ppm, 4) if math.isfinite(m.drift_error_ppm) else None,
+                        "segments": len(m.segments), "sampled_local_ns": [first, last],
                         "samples": m.samples, "sources": list(m.sources), "flags": list(m.flags)}
     return out
 
 
-def build(store, a: Analysed) -> dict:
+def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribution | None" = None) -> dict:
+    """The report dict; `budget_list` (budgets.load) adds the budgets section, `attributed`
+    reuses an attribution already computed for these spans."""
+    at = attributed or attribution.attribute(a.table, a.alignment, a.matches)
     traces = trace_summaries(a)
+    index = {trace_id: i for i, trace_id in enumerate(a.table.trace_ids)}
+    details = trace_details(a.table, at)
     for trace in traces:
-        trace.update(critical_path=[], attribution={}, per_rank={})
+        trace.update(details[index[trace["trace_id"]]])
     return {
         "store": store.path,
         "epoch_offset_ns": a.alignment.epoch_offset_ns,
@@ -87,5 +100,144 @@ def build(store, a: Analysed) -> dict:
         "clocks": clocks_section(a.alignment.models),
         "dropped_spans": store.dropped_by_node(),
         "rejected_spans": store.rejects(),
-        "unmatched": {k: int(len(v)) for k, v in a.matches.unmatched.items()},
+        "unmatched": {k: int(len(v)) for k, v in at.dag.unmatched.items()},
+        "budgets": budgets.evaluate(budget_list, traces, a.table, at) if budget_list else [],
     }
+
+
+def _by_trace(trace: np.ndarray, n_traces: int) -> tuple[np.ndarray, np.ndarray]:
+    """Order that groups entries by trace, and each trace's [bounds[t], bounds[t + 1]) in it."""
+    order = np.argsort(trace, kind="stable")
+    return order, np.searchsorted(trace[order], np.arange(n_traces + 1))
+
+
+def _ns(values) -> dict:
+    return {name: int(v) for name, v in zip(attribution.CATEGORIES, values)}
+
+
+def _plain(value):
+    """A JSON-ready attribute value (numpy scalars and tuples are not)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+class _Labels:
+    """Names of spans and nodes of one table, for the report."""
+
+    def __init__(self, t: SpanTable):
+        self.t = t
+        self.names = t.names
+        self.nodes = t.nodes
+        self.rank = [int(r.rank) for r in t.resources]
+
+    def span(self, row: int, prefix: str = "") -> dict:
+        if row < 0:
+            return {f"{prefix}span": None, f"{prefix}span_id": None}
+        t = self.t
+        return {f"{prefix}span": self.names[t.name[row]], f"{prefix}span_id": f"{int(t.span_id[row]):016x}"}
+
+    def node(self, node: int, prefix: str = "") -> dict:
+        return {f"{prefix}node": self.nodes[node], f"{prefix}rank": self.rank[node]}
+
+
+def trace_details(t: SpanTable, at: "attribution.Attribution") -> list[dict]:
+    """Per trace index: critical_path, attribution (on the critical path), remote_ns, per_rank,
+    straggler, collectives, pipeline and unmatched, as the report shows them."""
+    n_traces = len(t.trace_ids)
+    labels = _Labels(t)
+    out = [{"critical_path": [], "attribution": _ns(at.critical[tr]),
+            "remote_ns": int(at.critical[tr, attribution.REMOTE]), "per_rank": {}, "straggler": None,
+            "collectives": {}, "pipeline": at.pipelines.get(tr), "unmatched": {}} for tr in range(n_traces)]
+    _critical_paths(at, labels, out)
+    _per_rank(at, labels, out)
+    _stragglers(at, labels, out)
+    _collectives(at, out)
+    for name, rows in at.dag.unmatched.items():
+        counts = np.bincount(t.trace[rows], minlength=n_traces) if len(rows) else np.zeros(n_traces, np.int64)
+        for tr in np.flatnonzero(counts).tolist():
+            out[tr]["unmatched"][name] = int(counts[tr])
+    return out
+
+
+def _critical_paths(at, labels: _Labels, out: list) -> None:
+    """Segments of each path, merged where consecutive ones belong to the same span and category."""
+    p, dag = at.paths, at.dag
+    if not len(p):
+        return
+    cat, row = at.segment_category, at.segment_row
+    node = dag.node[p.dst]
+    new = np.r_[True, (p.trace[1:] != p.trace[:-1]) | (cat[1:] != cat[:-1]) | (row[1:] != row[:-1])
+                | (node[1:] != node[:-1])]
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:], len(p)] - 1
+    error = np.maximum.reduceat(p.error, first)
+    src_node = np.where(p.src[first] >= 0, dag.node[np.maximum(p.src[first], 0)], node[first])
+    names = attribution.CATEGORIES + ("remote",)
+    for f, l, e, sn in zip(first.tolist(), last.tolist(), error.tolist(), src_node.tolist()):
+        start, end, n = int(p.start[f]), int(p.end[l]), int(node[f])
+        duration = end - start
+        segment = {"start_ns": start, "duration_ns": duration, "category": names[cat[f]],
+                   **labels.node(n), **labels.span(int(row[f])), "error_ns": e,
+                   "confidence": round(1.0 - min(1.0, e / duration), 4) if e and duration else float(not e)}
+        if sn != n:
+            segment["from_node"] = labels.nodes[sn]
+        out[int(p.trace[f])]["critical_path"].append(segment)
+
+
+def _per_rank(at, labels: _Labels, out: list) -> None:
+    for g in range(len(at.group_trace)):
+        node = int(at.group_node[g])
+        out[int(at.group_trace[g])]["per_rank"][labels.nodes[node]] = {
+            "rank": labels.rank[node], "window_ns": int(at.window[g]), "pipeline": bool(at.group_pipeline[g]),
+            "attribution": _ns(at.per_rank[g]), "remote_ns": int(at.per_rank[g, attribution.REMOTE])}
+
+
+def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
+    """Per trace: the node whose late entries made others wait longest (its delay cost), the
+    span it was busy with, the cost per node, and the worst single waits."""
+    w, t, m = at.waits, labels.t, at.matches
+    order, bounds = _by_trace(w.trace, len(out))
+    for tr in range(len(out)):
+        sel = order[bounds[tr]:bounds[tr + 1]]
+        if not len(sel):
+            continue
+        sel = sel[np.argsort(-w.cost_ns[sel], kind="stable")]
+        late_node = t.node[w.late_row[sel]]
+        cost = np.bincount(late_node, weights=w.cost_ns[sel], minlength=len(labels.nodes))
+        worst = int(np.argmax(cost))
+        own = sel[late_node == worst][0]     # its costliest wait
+        waits = []
+        for i in sel[:top].tolist():
+            late, j = int(w.late_row[i]), int(w.join[i])
+            entry = {"kind": "collective" if w.is_collective[i] else "p2p", **labels.node(int(t.node[late]), "late_"),
+                     **labels.span(late, "late_"), **labels.span(int(w.cause_row[i]), "cause_"),
+                     "wait_caused_ns": int(w.cost_ns[i]), "lateness_ns": int(w.lateness_ns[i]),
+                     "waiting": int(w.waiting[i])}
+            if j >= 0:
+                inst = int(at.dag.join_instance[j])
+                entry.update(op=m.coll_op[inst], group=_plain(m.coll_group[inst]), seq=_plain(m.coll_seq[inst]))
+            waits.append(entry)
+        cause = int(w.cause_row[own])
+        out[tr]["straggler"] = {
+            **labels.node(worst), **labels.span(cause if cause >= 0 else int(w.late_row[own])),
+            "delay_cost_ns": int(cost[worst]),
+            "by_node": {labels.nodes[n]: int(c) for n, c in enumerate(cost.tolist()) if c > 0}, "waits": waits}
+
+
+def _collectives(at, out: list) -> None:
+    """Per trace and op: instances, summed wait and transfer over participants, and the time
+    the op's spans lie on the critical path."""
+    dag, p = at.dag, at.paths
+    on_path = np.zeros(len(dag.join_time), dtype=np.int64)
+    row = at.segment_row
+    coll = (row >= 0) & np.isin(at.segment_category, [attribution.C["collective.wait"],
+                                                      attribution.C["collective.transfer"]])
+    coll &= dag.join[np.maximum(row, 0)] >= 0
+    np.add.at(on_path, dag.join[row[coll]], (p.end - p.start)[coll])
+    for j in range(len(dag.join_time)):
+        op = at.ops[int(at.op_of_join[j])]
+        entry = out[int(dag.join_trace[j])]["collectives"].setdefault(
+            op, {"count": 0, "wait_ns": 0, "transfer_ns": 0, "critical_path_ns": 0})
+        entry["count"] += 1
+        entry["wait_ns"] += int(at.join_wait[j])
+        entry["transfer_ns"] += int(at.join_transfer[j])
+        entry["critical_path_ns"] += int(on_path[j])

@@ -1,4 +1,5 @@
-"""The collector's gRPC server: span export with acks, clock exchange.
+"""The collector's gRPC server: span export with acks, clock exchange, and OpenTelemetry's
+OTLP TraceService on the same port; optionally TLS, bearer tokens, and relaying upstream.
 
 Requests arrive as raw bytes and are decoded here, so that garbage from a client
 becomes a clear INVALID_ARGUMENT for that client instead of an opaque error, and never
@@ -16,8 +17,11 @@ import grpc
 
 from ..proto import pb
 from .columns import BadBatch
-from .ingest import TooLarge, check, decode
-from .store import Store
+from .ingest import CheckedBatch, TooLarge, check, decode
+from .otlp import OtlpService
+from .security import TokenAuth
+from .store import Store, WriteResult
+from .udp_clock import UdpClockResponder
 
 log = logging.getLogger("crosstrace.collector")
 
@@ -71,6 +75,10 @@ class Writer:
                 future.set_result(result)
 
 
+class StoreUnavailable(RuntimeError):
+    """A batch could not be made durable (store or relay spool failed); the client retries."""
+
+
 class Stats:
     def __init__(self):
         self.lock = threading.Lock()
@@ -81,39 +89,51 @@ class Stats:
 
 
 class CollectorService:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, forward=None, now=time.monotonic_ns):
         self.store = store
         self.writer = Writer(store)
         self.stats = Stats()
+        self.forward = forward      # relay mode: forward(batch) hands it on upstream, durably
+        self.now = now              # the clock clock probes are answered from
+
+    def ingest(self, batch: "pb.SpanBatch") -> tuple[CheckedBatch, WriteResult]:
+        """Check one batch, commit it (and on a relay, hand it on upstream); durable on return.
+        Raises BadBatch for a batch that cannot be read, StoreUnavailable when it cannot be kept."""
+        checked = check(batch)
+        try:
+            result = self.writer.submit(checked).result()
+            if self.forward is not None:
+                self.forward(batch)
+        except Exception as exc:
+            raise StoreUnavailable(f"store write failed: {exc}") from exc
+        with self.stats.lock:
+            self.stats.spans += result.accepted
+            self.stats.duplicates += result.duplicates
+            self.stats.rejected.update(checked.rejected)
+            self.stats.nodes.add(checked.node_id)
+        return checked, result
 
     def export(self, request_iterator, context):
         for data in request_iterator:
             try:
-                checked = check(decode(data))
+                checked, result = self.ingest(decode(data))
             except BadBatch as exc:
                 reason = "batch_too_large" if isinstance(exc, TooLarge) else "malformed_batch"
                 self._count_whole_reject(reason)
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, TooLarge) else grpc.StatusCode.INVALID_ARGUMENT
                 context.abort(code, str(exc))
-            try:
-                result = self.writer.submit(checked).result()
-            except Exception as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"store write failed: {exc}")
-            with self.stats.lock:
-                self.stats.spans += result.accepted
-                self.stats.duplicates += result.duplicates
-                self.stats.rejected.update(checked.rejected)
-                self.stats.nodes.add(checked.node_id)
+            except StoreUnavailable as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             yield pb.ExportAck(seq=checked.batch.seq, accepted=result.accepted, duplicates=result.duplicates,
                                rejected=dict(checked.rejected))
 
     def exchange_clock(self, data: bytes, context):
-        t2 = time.monotonic_ns()
+        t2 = self.now()
         try:
             probe = pb.ClockProbe.FromString(data)
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ClockProbe: {exc}")
-        return pb.ClockProbeReply(t1=probe.t1, t2=t2, t3=time.monotonic_ns()).SerializeToString()
+        return pb.ClockProbeReply(t1=probe.t1, t2=t2, t3=self.now()).SerializeToString()
 
     def _count_whole_reject(self, reason: str) -> None:
         with self.stats.lock:
@@ -136,28 +156,38 @@ class Collector:
     """A running collector: gRPC server + store. `port` is the bound port."""
 
     def __init__(self, store_path: str, listen: str = "127.0.0.1:4327", max_streams: int = 256,
-                 sync: str = "normal"):
+                 sync: str = "normal", credentials: grpc.ServerCredentials | None = None,
+                 tokens: dict[str, bytes] | None = None, forward=None, now=time.monotonic_ns):
+        """`credentials`: TLS (collector.security.server_credentials); `tokens`: bearer token per
+        client, required on every call when given; `forward`: relay mode (collector.relay);
+        `now`: the clock that answers clock probes (a relay's, simulated in tests)."""
         self.store = Store(store_path, sync=sync)
-        self.service = CollectorService(self.store)
+        self.service = CollectorService(self.store, forward, now)
         self.server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="crosstrace-rpc"),
-            handlers=[self.service.handler()],
+            handlers=[self.service.handler(), OtlpService(self.service.ingest).handler()],
+            interceptors=[TokenAuth(tokens)] if tokens else None,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=max_streams,
         )
         try:
-            self.port = self.server.add_insecure_port(listen)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(listen)
+            else:
+                self.port = self.server.add_secure_port(listen, credentials)
         except RuntimeError as exc:
             self.store.close()
             raise OSError(f"cannot listen on {listen}: {exc}") from None
         host = listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
+        self.udp_clock = UdpClockResponder(host, self.port)
         self._stopped = threading.Event()
 
     def start(self) -> "Collector":
         self.server.start()
+        self.udp_clock.start()
         return self
 
     def stop(self, grace: float = 2.0) -> None:
@@ -165,6 +195,7 @@ class Collector:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.udp_clock.stop()
         self.server.stop(grace).wait(grace + 1)
         self.service.writer.close()
         self.store.close()

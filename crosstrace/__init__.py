@@ -2,8 +2,10 @@
 from opentelemetry import trace as _trace
 
 from .proto.semconv import Kind
-from .tracer.instrument.grpc import instrument_channel, server_interceptor
+from .tracer.instrument.grpc import (aio_client_interceptors, aio_server_interceptor, instrument_channel,
+                                     server_interceptor)
 from .tracer.provider import Tracer, TracerProvider
+from .tracer.step import step, steps
 
 __version__ = "0.1.0"
 
@@ -18,4 +20,40 @@ def init(set_global: bool = True, **options) -> TracerProvider:
     return provider
 
 
-__all__ = ["Kind", "Tracer", "TracerProvider", "init", "instrument_channel", "server_interceptor"]
+# torch instrumentation: imported on first use, so that `import crosstrace` never imports torch.
+
+def instrument_collectives() -> bool:
+    """Trace torch.distributed collectives and point-to-point ops (see tracer/instrument/torch_dist.py)."""
+    from .tracer.instrument import torch_dist
+    return torch_dist.instrument_collectives()
+
+
+def uninstrument_collectives() -> None:
+    """Undo instrument_collectives()."""
+    from .tracer.instrument import torch_dist
+    torch_dist.uninstrument_collectives()
+
+
+def instrument_ddp(model, hook=None, state=None):
+    """Trace a DistributedDataParallel model's gradient buckets; returns the model. A comm
+    hook of your own goes here, not to model.register_comm_hook() (see torch_dist.instrument_ddp)."""
+    from .tracer.instrument import torch_dist
+    return torch_dist.instrument_ddp(model, hook, state)
+
+
+def instrument_pipeline() -> bool:
+    """Trace torch.distributed.pipelining stages, schedules and their transfers."""
+    from .tracer.instrument import pipeline
+    return pipeline.instrument_pipeline()
+
+
+def uninstrument_pipeline() -> None:
+    """Undo instrument_pipeline() (collectives stay instrumented)."""
+    from .tracer.instrument import pipeline
+    pipeline.uninstrument_pipeline()
+
+
+__all__ = ["Kind", "Tracer", "TracerProvider", "aio_client_interceptors", "aio_server_interceptor", "init",
+           "instrument_channel", "instrument_collectives",
+           "instrument_ddp", "instrument_pipeline", "server_interceptor", "step", "steps",
+           "uninstrument_collectives", "uninstrument_pipeline"]

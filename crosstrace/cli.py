@@ -3,9 +3,9 @@ import argparse
 import sys
 
 from . import __version__
-from .commands import collector, demo, report
+from .commands import budget, clocks, collector, demo, report
 
-COMMANDS = [demo, collector, report]
+COMMANDS = [demo, collector, report, clocks, budget]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,6 +38,7 @@ COLL_OP = "collective.op"
 COLL_BYTES = "collective.bytes"
 COLL_RANKS = "collective.ranks"
 COLL_ASYNC = "collective.async"
+COLL_ROOT = "collective.root"      # global rank of the root of a broadcast or reduce
 
 # Point-to-point: a send and its receive share (src, dst, tag, seq).
 P2P_SRC = "p2p.src"
@@ -50,6 +51,7 @@ P2P_BYTES = "p2p.bytes"
 DDP_BUCKET = "ddp.bucket"
 DDP_PARAMS = "ddp.params"
 DDP_READY_NS = "ddp.ready_ns"
+DDP_HOOK = "ddp.hook"              # the user's own comm hook, when crosstrace wraps one
 
 # Pipeline parallel (torch.distributed.pipelining).
 PP_STAGE = "pp.stage"
@@ -65,3 +67,14 @@ RPC_SYSTEM = "rpc.system"
 RPC_SERVICE = "rpc.service"
 RPC_METHOD = "rpc.method"
 RPC_GRPC_STATUS = "rpc.grpc.status_code"
+
+# Resources outside a crosstrace tracer (OTLP) and exports to OpenTelemetry backends.
+NODE_ID = "crosstrace.node_id"
+RANK = "crosstrace.rank"
+ROLE = "crosstrace.role"
+ERROR_BOUND_NS = "crosstrace.error_bound_ns"   # exported spans: bound on the aligned times' error
+# Resource.labels: CLOCK_LABEL=CLOCK_UNIX_EPOCH marks a node whose span times are Unix-epoch ns
+# from its wall clock (OTLP senders), not a monotonic clock; SOURCE_LABEL says how spans came in.
+CLOCK_LABEL = "clock"
+CLOCK_UNIX_EPOCH = "unix_epoch"
+SOURCE_LABEL = "source"

@@ -28,11 +28,28 @@ class Config:
     max_unacked_mb: int = 64     # batches sent but not yet acked, kept for resending
     clock_probe_interval_s: float = 10.0
     clock_probe_burst: int = 8
+    udp_clock: bool = True       # also probe the collector over UDP (kernel timestamps, ~us error)
+    ntp_servers: str = ""        # comma-separated host[:port]: sample this node's offset to UTC
+    ntp_interval_s: float = 64.0
+    ptp_uds: str = ""            # ptp4l's UNIX socket (e.g. /var/run/ptp4l): sample it through pmc
+    ptp_interval_s: float = 10.0
     sim_clock_offset_ns: int = 0
     sim_clock_drift_ppm: float = 0.0
     sim_clock_epoch_ns: int | None = None
     exit_flush_timeout_s: float = 5.0
     disabled: bool = False
+    # Intermittent links: batches the collector has not acked go to disk while it is out of
+    # reach, up to spool_max_mb (then the oldest are dropped and counted), and are replayed
+    # on reconnect, also by the node's next process. Empty: kept in memory only.
+    spool_dir: str = ""
+    spool_max_mb: int = 256
+    # Security: TLS to the collector (tls_ca: CA bundle that signed its certificate, else the
+    # system's roots), a client certificate for mutual TLS, and a bearer token.
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    token: str = dataclasses.field(default="", repr=False)  # never printed
 
     @classmethod
     def from_env(cls, **overrides) -> "Config":

@@ -2,12 +2,19 @@
 them over one gRPC stream; a second thread reads the collector's acks.
 
 The traced program never waits on any of this. The span queue is bounded (a span
-that does not fit is dropped and counted); batches stay in memory until acked and
-are resent in order after a reconnect, bounded too (the oldest is given up and its
-spans counted as dropped). The collector deduplicates by (trace_id, span_id), so a
-resend of a batch whose ack was lost stores nothing twice.
+that does not fit is dropped and counted). Batches stay until acked and are resent in
+order after a reconnect. In memory they are bounded by max_unacked_mb; with a spool
+(spool_dir), a batch goes to disk while the collector is out of reach, or when memory is
+full, and is replayed from there (also by the node's next process, should this one end
+first); otherwise the oldest is given up. Either way what is given up is counted as
+dropped. Every batch keeps its (session_id, seq), so the collector's batch-level dedup
+stores nothing twice, whatever is resent or replayed.
+
+A relay (`crosstrace collector --forward-to`) hands other tracers' batches on through
+`forward()`, on the same stream, spool and acks.
 """
 import collections
+import ipaddress
 import logging
 import os
 import socket
@@ -20,11 +27,11 @@ from ..proto import pb
 from .clock_probe import ClockProber
 from .encode import encode_spans
 from .span import THREAD_IDS
+from .spool import Spool
 
 log = logging.getLogger("crosstrace.tracer")
 
 _EXPORT_METHOD = "/crosstrace.v1.Collector/Export"
-_END = object()
 
 
 class ExportQueue:
@@ -58,6 +65,23 @@ def build_resource(cfg) -> "pb.Resource":
                        job_id=cfg.job_id, pid=os.getpid(), service_name=cfg.service_name)
 
 
+class _Pending:
+    """A batch sent (or to be sent) and not acked yet: in memory (`data`), on disk
+    (`spooled`), or both. `order` counts batches as they were queued, for flushes."""
+
+    __slots__ = ("key", "seq", "order", "spans", "size", "data", "spooled", "gone")
+
+    def __init__(self, key, seq: int, order: int, spans: int, data: bytes | None, spooled=None):
+        self.key = key                  # identity in Exporter._unacked
+        self.seq = seq                  # within the batch's own session: what its ack says
+        self.order = order
+        self.spans = spans
+        self.size = len(data) if data is not None else spooled.size
+        self.data = data
+        self.spooled = spooled
+        self.gone = False               # acked or given up: not to be sent again
+
+
 class Exporter:
     def __init__(self, cfg, clock, queue: ExportQueue):
         self.cfg = cfg
@@ -68,8 +92,9 @@ class Exporter:
         self.dropped = 0                    # spans given up after they were batched
         self.rejected: collections.Counter = collections.Counter()
         self._seq = 0
-        self._unacked: "collections.OrderedDict[int, tuple[bytes, int]]" = collections.OrderedDict()
-        self._unacked_bytes = 0
+        self._order = 0
+        self._unacked: "collections.OrderedDict[tuple, _Pending]" = collections.OrderedDict()
+        self._memory_bytes = 0
         self._waiters: list[tuple[int, threading.Event]] = []
         self._pending_flushes: list[threading.Event] = []
         self._lock = threading.Lock()       # exporter-side state only; never taken by the hot path
@@ -77,16 +102,33 @@ class Exporter:
         self._stopping = False
         self._sent_dropped = -1
         self._channel = None
-        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel)
         self._requests = None
         self._backoff_until = 0.0
         self._backoff = 0.1
         self._warned: set[str] = set()
+        self._spool = self._open_spool()
+        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel)
         queue.wake = self._wake.set
         self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
         self._thread.start()
 
-    # -- called from the traced program -------------------------------------------------
+    def _open_spool(self) -> Spool | None:
+        if not self.cfg.spool_dir:
+            return None
+        try:
+            spool = Spool(self.cfg.spool_dir, self.cfg.node_id, self.session_id)
+            adopted = spool.adopt()
+        except OSError as exc:
+            log.warning("crosstrace: no spool in %s (%s); unacked batches are kept in memory only",
+                        self.cfg.spool_dir, exc)
+            return None
+        for item in adopted:      # batches of this node's earlier processes: replayed first
+            self._order += 1
+            key = ("adopted", item.path)
+            self._unacked[key] = _Pending(key, item.seq, self._order, item.spans, None, item)
+        return spool
+
+    # -- called from the traced program (or a relay's handlers) ---------------------------
 
     def flush(self, timeout_s: float) -> bool:
         if not self._thread.is_alive():
@@ -104,12 +146,44 @@ class Exporter:
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._close_stream()
+        self._prober.close()
+        if self._spool is not None:
+            self._spill(everything=True)  # the node's next process replays what is left
+            self._spool.close()
         return flushed
 
     def restart_after_fork(self) -> "Exporter":
         """In a forked child (a DataLoader worker): a new session, stream and thread. The
-        parent's gRPC channel and threads do not exist here and must not be touched."""
+        parent's gRPC channel, threads and spool files are not touched."""
+        if self._spool is not None:
+            self._spool.forget_after_fork()
         return Exporter(self.cfg, self.clock, self.queue)
+
+    def forward(self, batch: "pb.SpanBatch") -> None:
+        """Send another tracer's batch upstream under its own (session_id, seq) (a relay).
+        With a spool it is on disk when this returns: durable before the relay acks it."""
+        data = batch.SerializeToString()
+        key = (bytes(batch.session_id) or os.urandom(16), batch.seq)
+        with self._lock:
+            if key in self._unacked:
+                return    # a resend of a batch still on its way
+        spooled = None
+        if self._spool is not None:
+            with self._lock:
+                fits = self._make_room(len(data))
+            if not fits:
+                raise OSError(f"a batch of {len(data)} bytes does not fit in the spool "
+                              f"(spool_max_mb={self.cfg.spool_max_mb})")
+            spooled = self._spool.write(data, batch.seq, batch.count)
+        with self._lock:
+            self._order += 1
+            entry = _Pending(key, batch.seq, self._order, batch.count, data, spooled)
+            self._unacked[key] = entry
+            self._memory_bytes += entry.size
+            requests = self._requests
+        if requests is not None:
+            requests.append(entry)
+        self._wake.set()
 
     # -- the exporter thread -------------------------------------------------------------
 
@@ -127,13 +201,15 @@ class Exporter:
                 if not stopping:
                     self._prober.probe_if_due()
                 self._send_queued()
-                if self._unacked:
-                    self._ensure_stream()  # reconnect and resend after a failure
+                if self._unacked and self._ensure_stream() is None:
+                    self._spill(everything=True)     # out of reach: keep it all on disk
+                else:
+                    self._spill(everything=False)    # within the memory bound
             except Exception as exc:  # never let the exporter thread die
                 self._warn_once("export", f"crosstrace: export error: {exc!r}")
             with self._lock:
                 for done in flushes:
-                    self._waiters.append((self._seq, done))
+                    self._waiters.append((self._order, done))
                 self._resolve_waiters()
             if stopping:
                 return
@@ -158,18 +234,95 @@ class Exporter:
     def _send(self, batch, n_spans: int) -> None:
         with self._lock:
             self._seq += 1
+            self._order += 1
             batch.seq = self._seq
-            data = batch.SerializeToString()
-            self._unacked[batch.seq] = (data, n_spans)
-            self._unacked_bytes += len(data)
-            limit = self.cfg.max_unacked_mb << 20
-            while self._unacked_bytes > limit and len(self._unacked) > 1:
-                _, (old, n) = self._unacked.popitem(last=False)
-                self._unacked_bytes -= len(old)
-                self.dropped += n
+            entry = _Pending((self.session_id, self._seq), self._seq, self._order, n_spans,
+                             batch.SerializeToString())
+            self._unacked[entry.key] = entry
+            self._memory_bytes += entry.size
         requests = self._ensure_stream()
         if requests is not None:
-            requests.append(data)
+            requests.append(entry)
+
+    def _spill(self, everything: bool) -> None:
+        """Move batches from memory to the spool: all of them, or the oldest until memory is
+        within max_unacked_mb. Without a spool the oldest beyond that bound are given up."""
+        bound = self.cfg.max_unacked_mb << 20
+        with self._lock:
+            if self._spool is None:
+                self._give_up_oldest_in_memory(bound)
+                return
+            limit = 0 if everything else bound
+            todo, excess = [], self._memory_bytes - limit
+            for entry in self._unacked.values():
+                if excess <= 0:
+                    break
+                if entry.data is not None:
+                    todo.append(entry)
+                    excess -= entry.size
+        for entry in todo:
+            data = entry.data
+            if data is None or entry.gone:
+                continue
+            if entry.spooled is None:
+                with self._lock:
+                    fits = self._make_room(entry.size)
+                    if not fits:   # larger than the whole spool: it cannot be kept
+                        self._unacked.pop(entry.key, None)
+                        self._forget(entry)
+                        self.dropped += entry.spans
+                        continue
+                spooled = self._spool.write(data, entry.seq, entry.spans)
+                with self._lock:
+                    if entry.gone:             # acked while it was being written
+                        self._spool.remove(spooled)
+                        continue
+                    entry.spooled = spooled
+            with self._lock:
+                if entry.data is not None:
+                    entry.data = None
+                    self._memory_bytes -= entry.size
+
+    def _give_up_oldest_in_memory(self, limit: int) -> None:
+        """Under self._lock, without a spool: drop the oldest batches beyond the memory bound
+        (the newest one always stays)."""
+        while self._memory_bytes > limit and len(self._unacked) > 1:
+            _, entry = self._unacked.popitem(last=False)
+            self._forget(entry)
+            self.dropped += entry.spans
+
+    def _make_room(self, size: int) -> bool:
+        """Under self._lock: drop the oldest spooled batches until `size` more bytes fit in the
+        spool; False when they cannot (the batch alone is larger than the spool)."""
+        limit = self.cfg.spool_max_mb << 20
+        if size > limit:
+            return False
+        excess = self._spool.bytes + size - limit
+        if excess <= 0:
+            return True
+        victims = []
+        for entry in self._unacked.values():
+            if excess <= 0:
+                break
+            if entry.spooled is not None:
+                victims.append(entry)
+                excess -= entry.spooled.size
+        for entry in victims:
+            del self._unacked[entry.key]
+            self._forget(entry)
+            self.dropped += entry.spans
+        self._warn_once("spool_full", f"crosstrace: spool {self.cfg.spool_dir} is full "
+                        f"({self.cfg.spool_max_mb} MB); dropping the oldest batches")
+        return True
+
+    def _forget(self, entry: _Pending) -> None:
+        """Under self._lock: an entry out of _unacked (acked or given up)."""
+        entry.gone = True
+        if entry.data is not None:
+            entry.data = None
+            self._memory_bytes -= entry.size
+        if entry.spooled is not None:
+            self._spool.remove(entry.spooled)
 
     def _ensure_stream(self):
         """The open request stream, or None while the collector is unreachable (backoff)."""
@@ -178,29 +331,30 @@ class Exporter:
         if time.monotonic() < self._backoff_until:
             return None
         export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
-                                             response_deserializer=pb.ExportAck.FromString)
-        requests = _RequestStream()
+                                                   response_deserializer=pb.ExportAck.FromString)
+        requests = _RequestStream(self._spool)
         with self._lock:
-            for data, _ in self._unacked.values():  # resend in order; the collector dedups
-                requests.append(data)
+            for entry in self._unacked.values():  # resend in order; the collector dedups
+                requests.append(entry)
+            self._requests = requests
         call = export(iter(requests))
-        self._requests = requests
         threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
                          daemon=True).start()
         return requests
 
     def _get_channel(self) -> grpc.Channel:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.cfg.endpoint, options=_CHANNEL_OPTIONS)
+            self._channel = open_channel(self.cfg)
         return self._channel
 
     def _read_acks(self, call, requests) -> None:
         try:
             for ack in call:
+                entry = requests.acked(ack.seq)
                 with self._lock:
-                    entry = self._unacked.pop(ack.seq, None)
-                    if entry is not None:
-                        self._unacked_bytes -= len(entry[0])
+                    if entry is not None and not entry.gone:
+                        del self._unacked[entry.key]
+                        self._forget(entry)
                     for reason, n in ack.rejected.items():
                         self.rejected[reason] += n
                     self._resolve_waiters()
@@ -212,19 +366,30 @@ class Exporter:
             refused = code == grpc.StatusCode.INVALID_ARGUMENT or (
                 code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" not in (err.details() or ""))
             if refused:
-                # Acks come in order, so the refused batch is the oldest unacked one; resending
-                # it would be refused again.
+                # Acks come in order, so the refused batch is the oldest one sent and unacked;
+                # resending it would be refused again.
+                entry = requests.acked(None)
                 with self._lock:
-                    if self._unacked:
-                        _, (data, n) = self._unacked.popitem(last=False)
-                        self._unacked_bytes -= len(data)
-                        self.dropped += n
+                    if entry is not None and not entry.gone:
+                        del self._unacked[entry.key]
+                        self._forget(entry)
+                        self.dropped += entry.spans
                     self._resolve_waiters()
                 log.error("crosstrace: the collector refused a batch (%s: %s); its spans are dropped",
                           code.name, err.details())
+            elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                if f"rpc{code}" not in self._warned:
+                    self._warned.add(f"rpc{code}")
+                    log.error("crosstrace: the collector at %s refuses this tracer (%s: %s); check "
+                              "CROSSTRACE_TOKEN. Spans are kept%s and retried", self.cfg.endpoint, code.name,
+                              err.details(), " on disk" if self._spool else "")
             elif not self._stopping:
+                details = err.details() or ""
+                hint = ""
+                if "Socket closed" in details and not (self.cfg.tls or self.cfg.tls_ca or self.cfg.tls_cert):
+                    hint = " (the collector closed a plaintext connection: if it serves TLS, set CROSSTRACE_TLS_CA)"
                 self._warn_once(f"rpc{code}", f"crosstrace: export stream to {self.cfg.endpoint} "
-                                f"failed ({code.name}: {err.details()}); will retry")
+                                f"failed ({code.name}: {details}){hint}; will retry")
         finally:
             requests.close()
             with self._lock:
@@ -235,11 +400,11 @@ class Exporter:
             self._wake.set()
 
     def _resolve_waiters(self) -> None:
-        """Under self._lock: a flush is done once no batch up to its seq is unacked."""
-        oldest = next(iter(self._unacked), None)
+        """Under self._lock: a flush is done once no batch queued up to it is unacked."""
+        oldest = next(iter(self._unacked.values()), None)
         still = []
         for target, done in self._waiters:
-            if oldest is None or oldest > target:
+            if oldest is None or oldest.order > target:
                 done.set()
             else:
                 still.append((target, done))
@@ -262,24 +427,98 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                     ("grpc.max_receive_message_length", 64 << 20)]
 
 
+def open_channel(cfg) -> grpc.Channel:
+    """A channel to cfg.endpoint: TLS when cfg.tls/tls_ca/tls_cert is set (mutual with a
+    client certificate), and the bearer token on every call when cfg.token is set."""
+    if cfg.tls or cfg.tls_ca or cfg.tls_cert:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(cfg.tls_ca, "CROSSTRACE_TLS_CA"),
+            private_key=_read_pem(cfg.tls_key, "CROSSTRACE_TLS_KEY"),
+            certificate_chain=_read_pem(cfg.tls_cert, "CROSSTRACE_TLS_CERT"))
+        channel = grpc.secure_channel(cfg.endpoint, credentials, options=_CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(cfg.endpoint, options=_CHANNEL_OPTIONS)
+        if cfg.token and not _is_loopback(cfg.endpoint):
+            log.warning("crosstrace: sending the bearer token to %s without TLS: anyone on the path can "
+                        "read it (set CROSSTRACE_TLS_CA)", cfg.endpoint)
+    if cfg.token:
+        channel = grpc.intercept_channel(channel, _BearerToken(cfg.token))
+    return channel
+
+
+def _read_pem(path: str, option: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise OSError(f"cannot read {option}={path!r}: {exc.strerror}") from None
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = endpoint.split("///", 1)[-1].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call of the channel."""
+
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _add(self, continuation, details, request):
+        metadata = list(details.metadata or ())
+        metadata.append(self._header)
+        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                         getattr(details, "wait_for_ready", None),
+                                         getattr(details, "compression", None)), request)
+
+    intercept_unary_unary = _add
+    intercept_stream_stream = _add
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
 class _RequestStream:
     """The request side of the Export stream: gRPC's consumer thread blocks in next()
-    until the exporter appends a serialized batch or closes the stream."""
+    until the exporter appends a batch or closes the stream. Spooled batches are read
+    from disk as they are sent. `sent` lists what went out, in order: acks answer it."""
 
-    def __init__(self):
-        self._items = collections.deque()
+    def __init__(self, spool: Spool | None):
+        self._spool = spool
+        self._items: collections.deque = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
+        self._sent: collections.deque = collections.deque()
 
-    def append(self, data: bytes) -> None:
+    def append(self, entry: _Pending) -> None:
         with self._ready:
-            self._items.append(data)
+            self._items.append(entry)
             self._ready.notify()
 
     def close(self) -> None:
         with self._ready:
             self._closed = True
             self._ready.notify()
+
+    def acked(self, seq: int | None) -> _Pending | None:
+        """The sent batch an ack (seq None: a refusal) answers: acks come in order."""
+        while self._sent:
+            entry = self._sent.popleft()
+            if seq is None or entry.seq == seq:
+                return entry
+            log.debug("crosstrace: ack for seq %s skips batch %s", seq, entry.seq)
+        return None
 
     def __iter__(self):
         while True:
@@ -288,5 +527,13 @@ class _RequestStream:
                     self._ready.wait()
                 if not self._items:
                     return
-                item = self._items.popleft()
-            yield item
+                entry = self._items.popleft()
+            if entry.gone:
+                continue
+            data = entry.data
+            if data is None:
+                data = self._spool.read(entry.spooled) if entry.spooled is not None else None
+                if data is None:
+                    continue
+            self._sent.append(entry)
+            yield data

@@ -1,29 +1,92 @@
 """`crosstrace collector`: run a collector in the foreground until SIGTERM/SIGINT."""
+import argparse
+import os
 import signal
+import socket
 import sys
 import threading
 import time
 
+from ..collector import security
+from ..collector.relay import Relay
 from ..collector.server import Collector
 
 
 def register(sub) -> None:
     p = sub.add_parser("collector", help="run a collector: gRPC server + durable store",
-                       description="Receive spans and clock samples from tracers over gRPC and store them "
-                                   "durably (SQLite, WAL). Runs until SIGTERM or Ctrl-C.")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Receive spans and clock samples from tracers over gRPC (and from any "
+                                   "OpenTelemetry SDK over OTLP/gRPC, on the same port) and store them "
+                                   "durably (SQLite, WAL). Runs until SIGTERM or Ctrl-C.",
+                       epilog="relay mode: with --forward-to, this collector is an edge gateway: it stores its "
+                              "devices' batches,\nacks them once they are also in its spool, and forwards them "
+                              "upstream, adding its own clock\nsamples against upstream. TLS and token towards "
+                              "upstream come from CROSSTRACE_TLS_CA,\nCROSSTRACE_TLS_CERT, CROSSTRACE_TLS_KEY "
+                              "and CROSSTRACE_TOKEN, as for any tracer.")
     p.add_argument("--listen", default="127.0.0.1:4327",
-                   help="host:port to listen on (default %(default)s; port 0 picks a free one)")
+                   help="host:port to listen on (default %(default)s, loopback only; port 0 picks a free one)")
     p.add_argument("--store", required=True, help="path of the store file (created if missing)")
     p.add_argument("--sync", choices=("normal", "full"), default="normal",
                    help="normal: an acked batch survives the collector being killed; full: also a "
                         "power loss (an fsync per commit)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=lambda args: run(args.listen, args.store, sync=args.sync, quiet=args.quiet))
+    sec = p.add_argument_group("security")
+    sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
+    sec.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", metavar="PEM",
+                     help="mutual TLS: clients must present a certificate signed by this CA")
+    sec.add_argument("--tokens", metavar="FILE",
+                     help="require a bearer token on every call: one client per line, `NAME TOKEN`")
+    relay = p.add_argument_group("relay")
+    relay.add_argument("--forward-to", metavar="ENDPOINT", help="upstream collector (host:port): relay mode")
+    relay.add_argument("--node-id", help="this relay's node id (default CROSSTRACE_NODE_ID, else <host>/relay)")
+    relay.add_argument("--spool", metavar="DIR", help="where batches wait for upstream (default STORE.spool)")
+    relay.add_argument("--spool-max-mb", type=int, help="spool size limit (default CROSSTRACE_SPOOL_MAX_MB, else 256)")
+    p.set_defaults(func=run_args)
+
+
+def run_args(args) -> int:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    tokens = security.load_tokens(args.tokens) if args.tokens else None
+    warning = security.exposure_warning(args.listen, credentials is not None, tokens is not None)
+    if warning:
+        print(f"crosstrace collector: {warning}", file=sys.stderr, flush=True)
+    upstream = None
+    options = {}
+    if args.forward_to:
+        upstream, relay_clock = _upstream(args)
+        options = {"forward": Relay(upstream.cfg.node_id, upstream), "now": relay_clock.now}
+    try:
+        return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
+                   tokens=tokens, **options)
+    finally:
+        if upstream is not None:
+            upstream.shutdown(upstream.cfg.exit_flush_timeout_s)
+
+
+def _upstream(args):
+    """The relay's exporter towards upstream (stream, acks, spool, clock probes), configured
+    like any tracer: flags, then CROSSTRACE_* variables."""
+    from ..tracer.clock import Clock
+    from ..tracer.config import Config
+    from ..tracer.exporter import Exporter, ExportQueue
+
+    node_id = args.node_id or os.environ.get("CROSSTRACE_NODE_ID") or f"{socket.gethostname()}/relay"
+    cfg = Config.from_env(endpoint=args.forward_to, node_id=node_id, role="relay",
+                          spool_dir=args.spool or f"{args.store}.spool", spool_max_mb=args.spool_max_mb)
+    clock = Clock(cfg.sim_clock_offset_ns, cfg.sim_clock_drift_ppm, cfg.sim_clock_epoch_ns)
+    exporter = Exporter(cfg, clock, ExportQueue(clock, cfg.max_queue, cfg.batch_size))
+    return exporter, clock
 
 
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
-        progress_interval_s: float = 10.0) -> int:
-    collector = Collector(store, listen, sync=sync).start()
+        progress_interval_s: float = 10.0, **options) -> int:
+    """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, forward, now)."""
+    collector = Collector(store, listen, sync=sync, **options).start()
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -31,7 +94,9 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"crosstrace collector listening on {collector.address}, store {store}", flush=True)
+    relay = options.get("forward")
+    via = f", relaying to {relay.upstream.cfg.endpoint} as {relay.node_id}" if relay else ""
+    print(f"crosstrace collector listening on {collector.address}, store {store}{via}", flush=True)
     stats = collector.service.stats
     last, last_t = 0, time.monotonic()
     while not stop.wait(progress_interval_s):

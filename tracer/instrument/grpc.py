@@ -1,31 +1,168 @@
-"""gRPC client and server interceptors: RPC_CLIENT / RPC_SERVER spans, W3C trace context
-in metadata through the OpenTelemetry propagator.
+"""gRPC interceptors, sync and asyncio, unary and streaming: RPC_CLIENT / RPC_SERVER spans
+with the rpc.* semantic-convention attributes, W3C trace context in metadata through the
+OpenTelemetry propagator, and a clock sample from every call.
 
     channel = crosstrace.instrument_channel(grpc.insecure_channel(addr))
     server = grpc.server(pool, interceptors=[crosstrace.server_interceptor()])
+    channel = grpc.aio.insecure_channel(addr, interceptors=crosstrace.aio_client_interceptors())
+    server = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor()])
+
+Every call is a two-way clock exchange for free: the client sends its send time t1
+(`crosstrace-t1`); a crosstrace server answers in trailing metadata with its receive and
+send times t2, t3 and its node id (`crosstrace-clock: "t2 t3 node"`); the client adds its
+receive time t4 and records ClockSample(RPC_PIGGYBACK, peer=<server node>) through its
+provider, on the provider's clock. A server that is not crosstrace ignores t1, and a
+server answers nothing to a client that sent none: about 80 bytes per call, nothing else.
+(grpc.aio sends an aborting handler's status at once: such a call gives no sample.)
+
+Interceptors bind to their provider (given, or OpenTelemetry's global one) on first use,
+so `crosstrace.init()` may run after the channel or server was built. With a provider that
+is not crosstrace's, spans are still made through the OpenTelemetry API, without clock samples.
 """
+import asyncio
+import inspect
+import logging
+from urllib.parse import quote, unquote
+
 import grpc
+from opentelemetry import context as context_api
 from opentelemetry import propagate
 from opentelemetry import trace as trace_api
 from opentelemetry.trace.status import StatusCode
 
+from ...proto import pb
 from ...proto import semconv as sc
+from ..span import Span
+
+log = logging.getLogger("crosstrace.tracer")
+
+T1_KEY = "crosstrace-t1"
+CLOCK_KEY = "crosstrace-clock"
 
 _CLIENT = trace_api.SpanKind.CLIENT
 _SERVER = trace_api.SpanKind.SERVER
+_OK = grpc.StatusCode.OK
+# OpenTelemetry's gRPC conventions: these codes mark a server span as an error (a client span
+# is an error on any code but OK).
+_SERVER_ERRORS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
+                            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 
-def _split_method(full_method: str) -> tuple[str, str]:
-    service, _, method = full_method.lstrip("/").partition("/")
-    return service, method
+# -- binding to a provider ------------------------------------------------------------------
+
+class _Binding:
+    """The tracer, clock and node id an interceptor uses. `now` is None when the provider
+    is not crosstrace's (no clock to piggyback)."""
+
+    __slots__ = ("tracer", "now", "add_sample", "node", "final")
+
+    def __init__(self, provider):
+        from ..provider import TracerProvider
+
+        self.tracer = provider.get_tracer(__name__)
+        self.final = not isinstance(provider, trace_api.ProxyTracerProvider)
+        if isinstance(provider, TracerProvider):
+            self.now = provider.clock.now
+            self.add_sample = provider.add_clock_sample
+            self.node = quote(provider.node_id, safe="")  # metadata values are printable ASCII
+        else:
+            self.now = self.add_sample = self.node = None
 
 
-def _rpc_attributes(full_method: str) -> dict:
-    service, method = _split_method(full_method)
-    return {sc.RPC_SYSTEM: "grpc", sc.RPC_SERVICE: service, sc.RPC_METHOD: method}
+class _Bound:
+    """Base of all interceptors: binds on first use, for good once a real provider exists."""
+
+    def __init__(self, tracer_provider=None):
+        self._provider = tracer_provider
+        self._binding = None
+
+    def _bind(self) -> _Binding:
+        binding = self._binding
+        if binding is None:
+            binding = _Binding(self._provider or trace_api.get_tracer_provider())
+            if binding.final:
+                self._binding = binding
+        return binding
 
 
-class _ClientCallDetails(grpc.ClientCallDetails):
+_method_cache: dict[str, tuple[str, dict]] = {}
+
+
+def _method_info(full_method) -> tuple[str, dict]:
+    """(span name, rpc.* attributes) of "/package.Service/Method", cached per method."""
+    info = _method_cache.get(full_method)
+    if info is None:
+        name = full_method.decode() if isinstance(full_method, bytes) else str(full_method)
+        name = name.lstrip("/")
+        service, _, method = name.partition("/")
+        info = (name, {sc.RPC_SYSTEM: "grpc", sc.RPC_SERVICE: service, sc.RPC_METHOD: method})
+        if len(_method_cache) < 4096:
+            _method_cache[full_method] = info
+    return info
+
+
+# -- client side ----------------------------------------------------------------------------
+
+def _client_start(b: _Binding, details):
+    """Start the client span; returns (span, metadata to send, t1)."""
+    name, attributes = _method_info(details.method)
+    span = b.tracer.start_span(name, kind=_CLIENT, attributes=attributes)
+    metadata = list(details.metadata or ())
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace_api.set_span_in_context(span))
+    metadata.extend(carrier.items())
+    t1 = None
+    if b.now is not None:
+        t1 = b.now()
+        metadata.append((T1_KEY, str(t1)))
+    return span, metadata, t1
+
+
+def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
+    """Record the clock sample (when the server answered one) and end the span."""
+    if t1 is not None and trailing:
+        for key, value in trailing:
+            if key == CLOCK_KEY:
+                _add_sample(b, t1, t4, value)
+                break
+    if code is None:
+        code = grpc.StatusCode.UNKNOWN
+    span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
+    if code is not _OK:
+        span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
+    span.end()
+
+
+def _add_sample(b: _Binding, t1: int, t4: int, value) -> None:
+    try:
+        t2, t3, node = value.split(" ", 2)
+        sample = pb.ClockSample(source=pb.RPC_PIGGYBACK, peer=unquote(node), t1=t1, t2=int(t2), t3=int(t3),
+                                t4=t4, local_ns=t1)
+    except ValueError:
+        log.debug("crosstrace: ignoring a malformed %s trailer %r", CLOCK_KEY, value)
+        return
+    b.add_sample(sample)
+
+
+def _outcome_finisher(b: _Binding, span, t1):
+    """A done-callback for a sync call (or its error) that finishes the client span."""
+    now = b.now
+
+    def finish(outcome) -> None:
+        t4 = now() if now is not None else None
+        try:
+            code, trailing, details = outcome.code(), outcome.trailing_metadata(), outcome.details()
+        except Exception:  # a local failure before the call existed (_FailureOutcome)
+            code, trailing, details = grpc.StatusCode.UNKNOWN, None, None
+        _client_finish(b, span, t1, t4, code, trailing, details)
+
+    return finish
+
+
+class _Details(grpc.ClientCallDetails):
+    __slots__ = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
     def __init__(self, details, metadata):
         self.method = details.method
         self.timeout = details.timeout
@@ -35,24 +172,26 @@ class _ClientCallDetails(grpc.ClientCallDetails):
         self.compression = getattr(details, "compression", None)
 
 
-class ClientInterceptor(grpc.UnaryUnaryClientInterceptor):
-    def __init__(self, tracer_provider=None):
-        self._tracer = trace_api.get_tracer(__name__, tracer_provider=tracer_provider)
+class ClientInterceptor(_Bound, grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Sync client: one RPC_CLIENT span per call, ended when the call completes."""
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        method = client_call_details.method
-        with self._tracer.start_as_current_span(method.lstrip("/"), kind=_CLIENT,
-                                                attributes=_rpc_attributes(method)) as span:
-            metadata = list(client_call_details.metadata or [])
-            carrier: dict[str, str] = {}
-            propagate.inject(carrier)
-            metadata.extend(carrier.items())
-            outcome = continuation(_ClientCallDetails(client_call_details, metadata), request)
-            code = outcome.code() if hasattr(outcome, "code") else grpc.StatusCode.OK
-            span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
-            if code != grpc.StatusCode.OK:
-                span.set_status(StatusCode.ERROR, f"{code.name}: {outcome.details()}")
-            return outcome
+    def _intercept(self, continuation, details, request):
+        b = self._bind()
+        span, metadata, t1 = _client_start(b, details)
+        try:
+            outcome = continuation(_Details(details, metadata), request)
+        except BaseException as exc:
+            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            span.end()
+            raise
+        outcome.add_done_callback(_outcome_finisher(b, span, t1))
+        return outcome
+
+    intercept_unary_unary = _intercept
+    intercept_unary_stream = _intercept
+    intercept_stream_unary = _intercept
+    intercept_stream_stream = _intercept
 
 
 def instrument_channel(channel: grpc.Channel, tracer_provider=None) -> grpc.Channel:
@@ -60,33 +199,268 @@ def instrument_channel(channel: grpc.Channel, tracer_provider=None) -> grpc.Chan
     return grpc.intercept_channel(channel, ClientInterceptor(tracer_provider))
 
 
-class ServerInterceptor(grpc.ServerInterceptor):
-    def __init__(self, tracer_provider=None):
-        self._tracer = trace_api.get_tracer(__name__, tracer_provider=tracer_provider)
+class _AioClient(_Bound):
+    """asyncio client: the call is returned untouched; a done-callback finishes the span."""
+
+    _pending: set = set()   # tasks reading a finished call's status (kept from the collector)
+
+    async def _intercept(self, continuation, details, request):
+        b = self._bind()
+        span, metadata, t1 = _client_start(b, details)
+        try:
+            call = await continuation(grpc.aio.ClientCallDetails(
+                details.method, details.timeout, grpc.aio.Metadata(*metadata), details.credentials,
+                details.wait_for_ready), request)
+        except BaseException as exc:
+            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            span.end()
+            raise
+        now = b.now
+
+        def done(finished) -> None:
+            t4 = now() if now is not None else None
+            task = asyncio.get_running_loop().create_task(self._finish(b, span, t1, t4, finished))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+        call.add_done_callback(done)
+        return call
+
+    @staticmethod
+    async def _finish(b, span, t1, t4, call) -> None:
+        try:
+            code, trailing, details = await call.code(), await call.trailing_metadata(), await call.details()
+        except (Exception, asyncio.CancelledError):
+            code, trailing, details = grpc.StatusCode.CANCELLED, None, None
+        _client_finish(b, span, t1, t4, code, trailing, details)
+
+
+class AioUnaryUnaryClientInterceptor(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _AioClient._intercept
+
+
+class AioUnaryStreamClientInterceptor(_AioClient, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _AioClient._intercept
+
+
+class AioStreamUnaryClientInterceptor(_AioClient, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _AioClient._intercept
+
+
+class AioStreamStreamClientInterceptor(_AioClient, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _AioClient._intercept
+
+
+def aio_client_interceptors(tracer_provider=None) -> list:
+    """Pass to grpc.aio.insecure_channel(..., interceptors=...) (or secure_channel): every
+    call becomes an RPC_CLIENT span carrying the trace context."""
+    return [cls(tracer_provider) for cls in (AioUnaryUnaryClientInterceptor, AioUnaryStreamClientInterceptor,
+                                             AioStreamUnaryClientInterceptor, AioStreamStreamClientInterceptor)]
+
+
+# -- server side ----------------------------------------------------------------------------
+
+class _ServerCall:
+    """One traced server call: its span is current while the handler runs."""
+
+    __slots__ = ("b", "span", "t1", "t2", "parent")
+
+    def __init__(self, b: _Binding, method, invocation_metadata, t2):
+        self.b = b
+        carrier = {}
+        t1 = None
+        for key, value in invocation_metadata or ():
+            if key == T1_KEY:
+                t1 = value
+            else:
+                carrier[key] = value
+        self.t1 = t1 if b.now is not None else None
+        self.t2 = t2
+        self.parent = propagate.extract(carrier)
+        name, attributes = _method_info(method)
+        self.span = b.tracer.start_span(name, context=self.parent, kind=_SERVER, attributes=attributes)
+        if t2 is not None and isinstance(self.span, Span):
+            self.span.start = t2   # the call arrived at t2; the handler may start later
+
+    def enter(self):
+        return context_api.attach(trace_api.set_span_in_context(self.span, self.parent))
+
+    @staticmethod
+    def leave(token) -> None:
+        context_api.detach(token)
+
+    def finish(self, context, exc: BaseException | None) -> None:
+        """Answer the clock trailer, set the status code and end the span."""
+        span = self.span
+        if self.t1 is not None:
+            t3 = self.b.now()
+            try:
+                trailing = tuple(context.trailing_metadata() or ())
+                context.set_trailing_metadata(trailing + ((CLOCK_KEY, f"{self.t2} {t3} {self.b.node}"),))
+            except Exception as err:  # never fail the call over a clock sample
+                log.debug("crosstrace: could not set the clock trailer: %r", err)
+        code = _server_code(context, exc)
+        span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
+        crashed = exc is not None and code is grpc.StatusCode.UNKNOWN   # not an abort: an exception
+        if crashed:
+            span.record_exception(exc)
+        if code in _SERVER_ERRORS:
+            details = f"{type(exc).__name__}: {exc}" if crashed else _details(context)
+            span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
+        span.end()
+
+
+def _server_code(context, exc) -> grpc.StatusCode:
+    try:
+        code = context.code()
+    except Exception:
+        code = None
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN if exc is not None else _OK
+
+
+def _details(context) -> str:
+    try:
+        details = context.details()
+    except Exception:
+        return ""
+    if isinstance(details, bytes):
+        details = details.decode(errors="replace")
+    return details or ""
+
+
+def _wrap_sync(b: _Binding, method, metadata, t2, behavior, streaming_response: bool):
+    if streaming_response:
+        def traced_stream(request, context):
+            call = _ServerCall(b, method, metadata, t2)
+            exc = None
+            try:
+                token = call.enter()
+                try:
+                    responses = iter(behavior(request, context))
+                finally:
+                    call.leave(token)
+                while True:
+                    token = call.enter()  # current for the handler's code between yields only
+                    try:
+                        item = next(responses)
+                    except StopIteration:
+                        return
+                    finally:
+                        call.leave(token)
+                    yield item
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                call.finish(context, exc)
+        return traced_stream
+
+    def traced(request, context):
+        call = _ServerCall(b, method, metadata, t2)
+        exc = None
+        token = call.enter()
+        try:
+            return behavior(request, context)
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            call.leave(token)
+            call.finish(context, exc)
+    return traced
+
+
+_FACTORIES = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
+def _rewrap(handler, wrap):
+    """The same handler with its behavior replaced by wrap(behavior, streaming_response)."""
+    for attr, factory, streaming in _FACTORIES:
+        behavior = getattr(handler, attr)
+        if behavior is not None:
+            traced = wrap(behavior, streaming)
+            if traced is None:
+                return handler
+            return factory(traced, request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+    return handler
+
+
+class ServerInterceptor(_Bound, grpc.ServerInterceptor):
+    """Sync server: every call becomes an RPC_SERVER span under the caller's context,
+    starting when the call arrives."""
 
     def intercept_service(self, continuation, handler_call_details):
+        b = self._bind()
+        t2 = b.now() if b.now is not None else None
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        method = handler_call_details.method
-        tracer, behavior = self._tracer, handler.unary_unary
-        attributes = _rpc_attributes(method)
-
-        def traced(request, context):
-            parent = propagate.extract(dict(context.invocation_metadata()))
-            with tracer.start_as_current_span(method.lstrip("/"), context=parent, kind=_SERVER,
-                                              attributes=attributes) as span:
-                try:
-                    return behavior(request, context)
-                finally:
-                    code = context.code() if hasattr(context, "code") else None
-                    span.set_attribute(sc.RPC_GRPC_STATUS, (code or grpc.StatusCode.OK).value[0])
-
-        return grpc.unary_unary_rpc_method_handler(traced, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        if handler is None:
+            return None
+        method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
+        return _rewrap(handler, lambda behavior, streaming: _wrap_sync(b, method, metadata, t2, behavior, streaming))
 
 
 def server_interceptor(tracer_provider=None) -> grpc.ServerInterceptor:
     """Pass to grpc.server(..., interceptors=[...]): every call becomes an RPC_SERVER span
     under the caller's trace context."""
     return ServerInterceptor(tracer_provider)
+
+
+def _wrap_aio(b: _Binding, method, metadata, t2, behavior, streaming_response: bool):
+    if inspect.isasyncgenfunction(behavior):
+        async def traced_gen(request, context):
+            call = _ServerCall(b, method, metadata, t2)
+            token = call.enter()   # an aio call runs in its own task and context
+            exc = None
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                call.finish(context, exc)
+                call.leave(token)
+        return traced_gen
+    if inspect.iscoroutinefunction(behavior):
+        async def traced(request, context):
+            call = _ServerCall(b, method, metadata, t2)
+            token = call.enter()
+            exc = None
+            try:
+                return await behavior(request, context)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                call.finish(context, exc)
+                call.leave(token)
+        return traced
+    return None   # a sync handler on an aio server (migration thread pool): left untraced
+
+
+class AioServerInterceptor(_Bound, grpc.aio.ServerInterceptor):
+    """asyncio server: every call becomes an RPC_SERVER span under the caller's context."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        b = self._bind()
+        t2 = b.now() if b.now is not None else None
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
+        return _rewrap(handler, lambda behavior, streaming: _wrap_aio(b, method, metadata, t2, behavior, streaming))
+
+
+def aio_server_interceptor(tracer_provider=None) -> grpc.aio.ServerInterceptor:
+    """Pass to grpc.aio.server(interceptors=[...])."""
+    return AioServerInterceptor(tracer_provider)

@@ -1,0 +1,134 @@
+"""Cost of tracing one unary gRPC call on loopback: no tracing, crosstrace's interceptors,
+and opentelemetry-instrumentation-grpc with the OpenTelemetry SDK, in the same run.
+
+Client and server are instrumented alike in each configuration (one server and one
+channel per configuration, all in this process). crosstrace exports for real, in the
+background, to a collector process, and piggybacks a clock sample on every call; the SDK
+runs a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Rounds cycle
+through the three so that machine noise hits them alike; the added cost of each is the
+median over rounds of (its time - the untraced time of the same round).
+Target (issue 6): crosstrace adds <= 1/3 of what the OpenTelemetry instrumentation adds.
+
+    python bench/grpc_overhead.py [--calls N] [--rounds R]
+"""
+import argparse
+import concurrent.futures
+import statistics
+import tempfile
+import time
+
+import grpc
+from opentelemetry.instrumentation.grpc import client_interceptor as otel_client_interceptor
+from opentelemetry.instrumentation.grpc import server_interceptor as otel_server_interceptor
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel as otel_intercept_channel
+from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+import crosstrace
+from crosstrace.launch import CollectorProcess
+
+METHOD = "/bench.Echo/Call"
+
+
+class NoopExporter(SpanExporter):
+    def export(self, spans):
+        return SpanExportResult.SUCCESS
+
+
+def echo(request, context):
+    return request
+
+
+def serve(interceptors) -> tuple[grpc.Server, int]:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), interceptors=interceptors)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def per_call_us(call, n: int) -> float:
+    payload = b"x" * 64
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call(payload, timeout=10)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def metadata_bytes(provider) -> int:
+    """Bytes crosstrace adds to one call: request metadata and the clock trailer, as key+value."""
+    from crosstrace.tracer.instrument import grpc as ct_grpc
+
+    seen = {}
+
+    def capture(request, context):
+        seen["request"] = [(k, v) for k, v in context.invocation_metadata()
+                           if k in ("traceparent", "tracestate", ct_grpc.T1_KEY)]
+        return request
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1),
+                         interceptors=[crosstrace.server_interceptor(provider)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(capture)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = crosstrace.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), provider)
+    _, call = channel.unary_unary(METHOD).with_call(b"x", timeout=10)
+    trailer = [(k, v) for k, v in call.trailing_metadata() if k == ct_grpc.CLOCK_KEY]
+    channel.close()
+    server.stop(0)
+    return sum(len(k) + len(v) for k, v in seen["request"] + trailer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000, help="calls per configuration per round")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, CollectorProcess(f"{tmp}/bench.db") as collector:
+        ours = crosstrace.TracerProvider(endpoint=collector.address, node_id="bench")
+        sdk = SdkProvider()
+        sdk.add_span_processor(BatchSpanProcessor(NoopExporter()))
+        servers, calls = [], {}
+        server, port = serve([])
+        servers.append(server)
+        calls["none"] = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(METHOD)
+        server, port = serve([crosstrace.server_interceptor(ours)])
+        servers.append(server)
+        calls["crosstrace"] = crosstrace.instrument_channel(
+            grpc.insecure_channel(f"127.0.0.1:{port}"), ours).unary_unary(METHOD)
+        server, port = serve([otel_server_interceptor(tracer_provider=sdk)])
+        servers.append(server)
+        calls["opentelemetry"] = otel_intercept_channel(
+            grpc.insecure_channel(f"127.0.0.1:{port}"),
+            otel_client_interceptor(tracer_provider=sdk)).unary_unary(METHOD)
+        for call in calls.values():
+            per_call_us(call, 300)  # warm up: connections, caches
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                times[name].append(per_call_us(call, args.calls))
+        flushed = ours.force_flush(60_000)
+        wire = metadata_bytes(ours)
+        samples_dropped = ours.dropped_spans
+        ours.shutdown()
+        sdk.shutdown()
+        for server in servers:
+            server.stop(0)
+    added = {name: statistics.median(t - base for t, base in zip(times[name], times["none"]))
+             for name in ("crosstrace", "opentelemetry")}
+    print(f"unary calls per round: {args.calls}, rounds: {args.rounds}, client and server in one process")
+    for name, label in (("none", "no tracing"), ("crosstrace", "crosstrace interceptors"),
+                        ("opentelemetry", "opentelemetry-instrumentation-grpc + SDK")):
+        extra = f"   adds {added[name]:6.1f} us" if name in added else ""
+        print(f"{label:42s} {statistics.median(times[name]):7.1f} us/call{extra}   (rounds: "
+              + ", ".join(f"{t:.0f}" for t in times[name]) + ")")
+    ratio = added["crosstrace"] / added["opentelemetry"]
+    print(f"added cost crosstrace / opentelemetry: {ratio:.3f}   (target <= 0.333)")
+    print(f"bytes crosstrace adds to a call (traceparent, t1, clock trailer): {wire}")
+    print(f"all spans and clock samples acked by the collector: {flushed}, dropped spans: {samples_dropped}")
+
+
+if __name__ == "__main__":
+    main()

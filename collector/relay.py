@@ -1,0 +1,37 @@
+"""Relay mode (`crosstrace collector --forward-to ENDPOINT`): an edge gateway's collector
+that keeps its devices' batches like any collector (so the site can be analysed on its
+own while the uplink is down) and hands every one on upstream as it came, with its
+session and seq, so that the upstream collector deduplicates replays exactly.
+
+One thing changes on the way: a device's two-way clock exchanges answered by this relay
+(GRPC_EXCHANGE / UDP_EXCHANGE samples with no peer) measured the device against the
+relay, so they go up with `peer` = the relay's node id. The relay's own exchanges with
+upstream travel in its own batches; upstream then composes device -> relay -> upstream,
+with bounds that add (collector/align.py). Relays chain the same way.
+
+The upstream side (stream, acks, spool, the relay's own clock probes) is the tracer's
+Exporter, wired in by `crosstrace collector`; here it is any object with
+`forward(batch)` that returns once the batch is durable.
+"""
+from ..proto import pb
+
+_MEASURED_AGAINST_US = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE)
+
+
+def for_upstream(batch: "pb.SpanBatch", relay_node_id: str) -> "pb.SpanBatch":
+    """`batch` with its device-to-relay clock exchanges naming the relay as their peer (in place)."""
+    for sample in batch.clock_samples:
+        if not sample.peer and sample.source in _MEASURED_AGAINST_US:
+            sample.peer = relay_node_id
+    return batch
+
+
+class Relay:
+    """The collector's `forward` hook: every ingested batch, after the local commit."""
+
+    def __init__(self, node_id: str, upstream):
+        self.node_id = node_id
+        self.upstream = upstream
+
+    def __call__(self, batch: "pb.SpanBatch") -> None:
+        self.upstream.forward(for_upstream(batch, self.node_id))

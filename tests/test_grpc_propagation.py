@@ -1,0 +1,332 @@
+"""gRPC interceptors against real servers and clients on loopback: trace context across
+sync and asyncio, unary and streaming calls and two hops; RPC spans with rpc.* attributes
+and status codes; a clock sample from every call, whose bounds hold the injected truth.
+
+Each tier has its own TracerProvider (its own node id and simulated clock) exporting to a
+real collector process; the checks read what the collector stored."""
+import asyncio
+import concurrent.futures
+
+import grpc
+import pytest
+
+import crosstrace
+from crosstrace.collector import spantable
+from crosstrace.collector.store import Store
+from crosstrace.proto import pb
+from crosstrace.proto import semconv as sc
+from crosstrace.proto.semconv import Kind
+from crosstrace.tracer.instrument import grpc as ct_grpc
+
+from .conftest import run_python, tracer_env
+
+OFFSETS = {"client": 300_000_000, "middle": -200_000_000, "back": 50_000_000}
+
+
+def providers(collector) -> dict:
+    return {node: crosstrace.TracerProvider(endpoint=collector.address, node_id=node, sim_clock_offset_ns=offset,
+                                            udp_clock=False)
+            for node, offset in OFFSETS.items()}
+
+
+def flush_all(tiers: dict) -> None:
+    for provider in tiers.values():
+        assert provider.force_flush(20_000)
+        provider.shutdown()
+
+
+def load(collector):
+    store = Store(collector.store, readonly=True)
+    try:
+        table = spantable.load(store)
+        nodes = {k: r.node_id for k, r in store.nodes().items()}
+        samples = [(nodes[row[0]], *row[1:]) for row in store.clock_samples() if row[1] == pb.RPC_PIGGYBACK]
+    finally:
+        store.close()
+    spans = []
+    for i in range(len(table)):
+        spans.append({"node": table.nodes[table.node[i]], "name": table.names[table.name[i]],
+                      "kind": int(table.kind[i]), "status": int(table.status[i]),
+                      "trace": table.trace_ids[table.trace[i]], "id": int(table.span_id[i]),
+                      "parent": int(table.parent_id[i]), "start": int(table.start[i]), "end": int(table.end[i]),
+                      "attributes": table.attributes[i] or {}})
+    return spans, samples
+
+
+def check_tree(spans, root_name: str, methods: list[str]) -> None:
+    """One trace: the root on the client, a client span per call under it, each answered by a
+    server span whose parent is that client span, on the server's node."""
+    root = next(s for s in spans if s["name"] == root_name)
+    by_id = {s["id"]: s for s in spans}
+    clients = [s for s in spans if s["kind"] == Kind.RPC_CLIENT and s["parent"] == root["id"]]
+    assert sorted(s["name"] for s in clients) == sorted(methods)
+    for client in clients:
+        assert client["node"] == "client" and client["trace"] == root["trace"]
+        service, _, method = client["name"].partition("/")
+        assert client["attributes"][sc.RPC_SYSTEM] == "grpc"
+        assert (client["attributes"][sc.RPC_SERVICE], client["attributes"][sc.RPC_METHOD]) == (service, method)
+        servers = [s for s in spans if s["kind"] == Kind.RPC_SERVER and s["parent"] == client["id"]]
+        assert len(servers) == 1, client["name"]
+        assert servers[0]["node"] == "middle" and servers[0]["trace"] == root["trace"]
+        assert servers[0]["name"] == client["name"]
+    # Second hop: middle's handler calls back, under its server span.
+    hop = next(s for s in spans if s["node"] == "middle" and s["kind"] == Kind.RPC_CLIENT)
+    assert by_id[hop["parent"]]["kind"] == Kind.RPC_SERVER
+    back = [s for s in spans if s["node"] == "back" and s["parent"] == hop["id"]]
+    assert [s["kind"] for s in back] == [Kind.RPC_SERVER]
+    assert back[0]["trace"] == root["trace"]
+    work = [s for s in spans if s["node"] == "back" and s["parent"] == back[0]["id"]]
+    assert [s["name"] for s in work] == ["work"]
+
+
+def check_samples(samples, pairs: set) -> None:
+    """Every call gave a sample naming the server's node, and its bounds hold the truth."""
+    assert {(node, peer) for node, _, peer, *_ in samples} == pairs
+    for node, _, peer, t1, t2, t3, t4, local_ns, *_ in samples:
+        truth = OFFSETS[node] - OFFSETS[peer]            # node clock - peer clock
+        assert t1 - t2 <= truth <= t4 - t3
+        assert local_ns == t1 and t1 <= t4 and t2 <= t3
+
+
+def check_statuses(spans) -> None:
+    failed = [s for s in spans if s["name"].endswith("/Fail")]
+    client = next(s for s in failed if s["kind"] == Kind.RPC_CLIENT)
+    server = next(s for s in failed if s["kind"] == Kind.RPC_SERVER)
+    for s in (client, server):
+        assert s["attributes"][sc.RPC_GRPC_STATUS] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert client["status"] == 2      # any code but OK fails a client span
+    assert server["status"] == 0      # NOT_FOUND is the caller's problem (OpenTelemetry's convention)
+    crashed = [s for s in spans if s["name"].endswith("/Crash")]
+    assert {s["status"] for s in crashed} == {2}
+    assert {s["attributes"][sc.RPC_GRPC_STATUS] for s in crashed} == {grpc.StatusCode.UNKNOWN.value[0]}
+
+
+# -- sync -------------------------------------------------------------------------------------
+
+def sync_server(provider, handlers: dict) -> tuple[grpc.Server, str]:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4),
+                         interceptors=[crosstrace.server_interceptor(provider)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_sync_unary_and_streaming_across_two_hops(collector):
+    tiers = providers(collector)
+    work = tiers["back"].get_tracer("test")
+
+    def back_work(request, context):
+        with work.start_as_current_span("work"):
+            return request
+
+    back, back_address = sync_server(tiers["back"], {"Work": grpc.unary_unary_rpc_method_handler(back_work)})
+    to_back = crosstrace.instrument_channel(grpc.insecure_channel(back_address), tiers["middle"])
+    call_back = to_back.unary_unary("/test.Svc/Work")
+
+    def fail(request, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+
+    def crash(request, context):
+        raise RuntimeError("boom")
+
+    middle, middle_address = sync_server(tiers["middle"], {
+        "Unary": grpc.unary_unary_rpc_method_handler(lambda request, context: call_back(request, timeout=10)),
+        "ServerStream": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([request] * 3)),
+        "ClientStream": grpc.stream_unary_rpc_method_handler(lambda requests, context: b"".join(requests)),
+        "BidiStream": grpc.stream_stream_rpc_method_handler(lambda requests, context: (r for r in requests)),
+        "Fail": grpc.unary_unary_rpc_method_handler(fail),
+        "Crash": grpc.unary_unary_rpc_method_handler(crash),
+    })
+    channel = crosstrace.instrument_channel(grpc.insecure_channel(middle_address), tiers["client"])
+    tracer = tiers["client"].get_tracer("test")
+    with tracer.start_as_current_span("root"):
+        assert channel.unary_unary("/test.Svc/Unary")(b"a", timeout=10) == b"a"
+        assert list(channel.unary_stream("/test.Svc/ServerStream")(b"b", timeout=10)) == [b"b"] * 3
+        assert channel.stream_unary("/test.Svc/ClientStream")(iter([b"c", b"d"]), timeout=10) == b"cd"
+        assert list(channel.stream_stream("/test.Svc/BidiStream")(iter([b"e", b"f"]), timeout=10)) == [b"e", b"f"]
+        assert channel.unary_unary("/test.Svc/Unary").future(b"g", timeout=10).result() == b"g"
+        for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN)):
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary(f"/test.Svc/{method}")(b"x", timeout=10)
+            assert err.value.code() == code
+    channel.close()
+    to_back.close()
+    middle.stop(1).wait(5)
+    back.stop(1).wait(5)
+    flush_all(tiers)
+
+    spans, samples = load(collector)
+    check_tree(spans, "root", ["test.Svc/Unary", "test.Svc/ServerStream", "test.Svc/ClientStream",
+                               "test.Svc/BidiStream", "test.Svc/Unary", "test.Svc/Fail", "test.Svc/Crash"])
+    check_statuses(spans)
+    check_samples(samples, {("client", "middle"), ("middle", "back")})
+    assert len(samples) == 7 + 2          # every call: 7 from the client, 2 hops from middle
+
+
+# -- asyncio ----------------------------------------------------------------------------------
+
+async def aio_chain(tiers) -> None:
+    work = tiers["back"].get_tracer("test")
+
+    async def back_work(request, context):
+        with work.start_as_current_span("work"):
+            await asyncio.sleep(0.001)
+        return request
+
+    back = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor(tiers["back"])])
+    back.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Svc", {"Work": grpc.unary_unary_rpc_method_handler(back_work)})])
+    back_port = back.add_insecure_port("127.0.0.1:0")
+    await back.start()
+    to_back = grpc.aio.insecure_channel(f"127.0.0.1:{back_port}",
+                                        interceptors=crosstrace.aio_client_interceptors(tiers["middle"]))
+
+    async def unary(request, context):
+        return await to_back.unary_unary("/test.Svc/Work")(request, timeout=10)
+
+    async def server_stream(request, context):
+        for _ in range(3):
+            yield request
+
+    async def client_stream(requests, context):
+        return b"".join([r async for r in requests])
+
+    async def bidi(requests, context):          # the write() style of streaming handler
+        async for r in requests:
+            await context.write(r)
+
+    async def fail(request, context):
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+
+    async def crash(request, context):
+        raise RuntimeError("boom")
+
+    middle = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor(tiers["middle"])])
+    middle.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
+        "ClientStream": grpc.stream_unary_rpc_method_handler(client_stream),
+        "BidiStream": grpc.stream_stream_rpc_method_handler(bidi),
+        "Fail": grpc.unary_unary_rpc_method_handler(fail),
+        "Crash": grpc.unary_unary_rpc_method_handler(crash),
+    })])
+    middle_port = middle.add_insecure_port("127.0.0.1:0")
+    await middle.start()
+
+    async def requests():
+        yield b"c"
+        yield b"d"
+
+    tracer = tiers["client"].get_tracer("test")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{middle_port}",
+                                         interceptors=crosstrace.aio_client_interceptors(tiers["client"])) as channel:
+        with tracer.start_as_current_span("aio-root"):
+            assert await channel.unary_unary("/test.Svc/Unary")(b"a", timeout=10) == b"a"
+            assert [r async for r in channel.unary_stream("/test.Svc/ServerStream")(b"b", timeout=10)] == [b"b"] * 3
+            assert await channel.stream_unary("/test.Svc/ClientStream")(requests(), timeout=10) == b"cd"
+            assert [r async for r in channel.stream_stream("/test.Svc/BidiStream")(requests(), timeout=10)] == [b"c", b"d"]
+            for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await channel.unary_unary(f"/test.Svc/{method}")(b"x", timeout=10)
+                assert err.value.code() == code
+        await asyncio.sleep(0.05)   # done-callbacks finish the last client spans
+    await to_back.close()
+    await middle.stop(1)
+    await back.stop(1)
+
+
+def test_asyncio_unary_and_streaming_across_two_hops(collector):
+    tiers = providers(collector)
+    asyncio.run(asyncio.wait_for(aio_chain(tiers), 60))
+    flush_all(tiers)
+    spans, samples = load(collector)
+    check_tree(spans, "aio-root", ["test.Svc/Unary", "test.Svc/ServerStream", "test.Svc/ClientStream",
+                                   "test.Svc/BidiStream", "test.Svc/Fail", "test.Svc/Crash"])
+    check_statuses(spans)
+    check_samples(samples, {("client", "middle"), ("middle", "back")})
+    # grpc.aio sends an abort's status at once, before the interceptor could add its trailer:
+    # the aborted call is the one without a sample.
+    assert len(samples) == 5 + 1
+
+
+# -- binding, strangers, wire cost --------------------------------------------------------------
+
+LATE_INIT = """
+import concurrent.futures, grpc, crosstrace
+from opentelemetry import trace
+server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), interceptors=[crosstrace.server_interceptor()])
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+    "test.Svc", {"Echo": grpc.unary_unary_rpc_method_handler(lambda r, c: r)})])
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+channel = crosstrace.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{port}"))
+provider = crosstrace.init()            # after the channel and the server were instrumented
+with trace.get_tracer("t").start_as_current_span("root"):
+    assert channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
+assert provider.force_flush(20000)
+server.stop(1)
+"""
+
+
+def test_interceptors_built_before_init_bind_on_first_call(collector):
+    run_python(LATE_INIT, tracer_env(collector, "late", udp_clock=0), timeout=60)
+    spans, samples = load(collector)
+    assert sorted((s["name"], s["kind"]) for s in spans) == [
+        ("root", Kind.INTERNAL), ("test.Svc/Echo", Kind.RPC_CLIENT), ("test.Svc/Echo", Kind.RPC_SERVER)]
+    assert [(node, peer) for node, _, peer, *_ in samples] == [("late", "late")]
+
+
+def test_plain_peers_get_no_extra_metadata(collector):
+    """A crosstrace client and a plain server (or the reverse) work as before: the server
+    answers no clock trailer to a client that sent no t1, and no sample is made."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
+    seen = []
+
+    def echo(request, context):
+        seen.append(dict(context.invocation_metadata()))
+        return request
+
+    plain = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    plain.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Svc", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+    plain_port = plain.add_insecure_port("127.0.0.1:0")
+    plain.start()
+    traced, traced_address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{plain_port}"), provider)
+        _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
+        assert ct_grpc.T1_KEY in seen[-1] and "traceparent" in seen[-1]
+        assert not any(k == ct_grpc.CLOCK_KEY for k, _ in call.trailing_metadata())
+        with grpc.insecure_channel(traced_address) as bare:
+            _, call = bare.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
+        assert not any(k == ct_grpc.CLOCK_KEY for k, _ in call.trailing_metadata())
+    finally:
+        plain.stop(0)
+        traced.stop(0)
+    assert provider.force_flush(20_000)
+    provider.shutdown()
+    spans, samples = load(collector)
+    assert sorted(s["kind"] for s in spans) == [Kind.RPC_CLIENT, Kind.RPC_SERVER]
+    assert samples == []
+
+
+def test_wire_cost_is_a_few_hundred_bytes(collector):
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="edge-node-with-a-long-name/12345",
+                                         udp_clock=False)
+    seen = []
+
+    def echo(request, context):
+        seen.extend((k, v) for k, v in context.invocation_metadata()
+                    if k in ("traceparent", "tracestate", ct_grpc.T1_KEY))
+        return request
+
+    server, address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+    _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
+    trailer = [(k, v) for k, v in call.trailing_metadata() if k == ct_grpc.CLOCK_KEY]
+    server.stop(0)
+    provider.shutdown()
+    assert len(trailer) == 1 and trailer[0][1].endswith("edge-node-with-a-long-name%2F12345")
+    added = sum(len(k) + len(v) for k, v in seen + trailer)
+    assert 100 < added < 300, added

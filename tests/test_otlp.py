@@ -1,0 +1,209 @@
+"""OTLP interop, both ways, with real parts: the OpenTelemetry SDK's OTLP/gRPC exporter
+reporting into a crosstrace collector (same port as crosstrace's own service), and
+`crosstrace export --otlp` sending a store to a real OTLP/gRPC receiver."""
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+from opentelemetry import trace as trace_api
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from crosstrace.collector import report as report_mod
+from crosstrace.collector import spantable
+from crosstrace.collector.store import Store
+from crosstrace.proto import semconv as sc
+from crosstrace.proto.semconv import Kind
+
+from .conftest import run_python, tracer_env
+
+MS = 1_000_000
+
+
+def sdk_spans(endpoint: str, headers=None) -> list:
+    """Spans made with the OpenTelemetry SDK and sent over OTLP/gRPC; returns the SDK's own
+    copies (the truth: ids, times, attributes)."""
+    memory = InMemorySpanExporter()
+    provider = SdkProvider(resource=Resource.create({"service.name": "shop", "host.name": "till-1",
+                                                     "process.pid": 4242, "deployment.environment": "test"}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True, headers=headers,
+                                                                    timeout=10)))
+    tracer = provider.get_tracer("shop")
+    with tracer.start_as_current_span("checkout", kind=SpanKind.SERVER,
+                                      attributes={"order": 17, "express": True, "weight": 2.5,
+                                                  "items": ["a", "b"]}) as root:
+        with tracer.start_as_current_span("price", attributes={sc.KIND: "compute"}) as price:
+            price.add_event("discount", {"percent": 10})
+        with tracer.start_as_current_span("pay", kind=SpanKind.CLIENT,
+                                          links=[Link(root.get_span_context(), {"why": "test"})]) as pay:
+            pay.set_status(Status(StatusCode.ERROR, "card declined"))
+    assert provider.force_flush(10_000)
+    provider.shutdown()
+    return memory.get_finished_spans()
+
+
+def test_opentelemetry_sdk_reports_into_the_collector(collector):
+    truth = {s.name: s for s in sdk_spans(collector.address)}
+    store = Store(collector.store, readonly=True)
+    try:
+        table = spantable.load(store)
+        resources = list(store.nodes().values())
+    finally:
+        store.close()
+    assert len(table) == 3
+    [res] = resources
+    assert res.node_id == "till-1/4242" and res.service_name == "shop" and res.pid == 4242
+    assert res.labels[sc.CLOCK_LABEL] == sc.CLOCK_UNIX_EPOCH and res.labels[sc.SOURCE_LABEL] == "otlp"
+    assert res.labels["deployment.environment"] == "test"
+    rows = {table.names[table.name[i]]: i for i in range(len(table))}
+    kinds = {name: Kind(int(table.kind[i])) for name, i in rows.items()}
+    assert kinds == {"checkout": Kind.RPC_SERVER, "price": Kind.COMPUTE, "pay": Kind.RPC_CLIENT}
+    for name, i in rows.items():
+        s = truth[name]
+        assert table.trace_ids[table.trace[i]] == f"{s.context.trace_id:032x}"
+        assert int(table.span_id[i]) == s.context.span_id
+        assert int(table.parent_id[i]) == (s.parent.span_id if s.parent else 0)
+        # Kept raw: Unix-epoch ns of the sender's wall clock.
+        assert (int(table.start[i]), int(table.end[i])) == (s.start_time, s.end_time)
+    assert table.attributes[rows["checkout"]] == {"order": 17, "express": True, "weight": 2.5, "items": ["a", "b"]}
+    assert table.attributes[rows["price"]] is None           # crosstrace.kind became the kind
+    assert int(table.status[rows["pay"]]) == 2
+    pay_extra = table.extras[rows["pay"]]
+    assert pay_extra["status_message"] == "card declined"
+    assert pay_extra["links"] == [[f"{truth['checkout'].context.trace_id:032x}",
+                                   f"{truth['checkout'].context.span_id:016x}", {"why": "test"}]]
+    [(event, when, attrs)] = table.extras[rows["price"]]["events"]
+    assert (event, when, attrs) == ("discount", truth["price"].events[0].timestamp, {"percent": 10})
+
+
+def raw_span(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, start=10**18, end=10**18 + 5000, name="op"):
+    return trace_pb2.Span(trace_id=trace_id, span_id=span_id, name=name, start_time_unix_nano=start,
+                          end_time_unix_nano=end)
+
+
+def test_bad_otlp_spans_are_rejected_one_by_one(collector):
+    request = otlp.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(scope_spans=[
+        trace_pb2.ScopeSpans(spans=[
+            raw_span(),
+            raw_span(trace_id=b"\x01" * 8, span_id=b"\x03" * 8),          # a trace id of 8 bytes
+            raw_span(span_id=b"\x04" * 8, start=10**18, end=10**18 - 1),  # ends before it starts
+        ])])])
+    with grpc.insecure_channel(collector.address) as channel:
+        response = otlp_grpc.TraceServiceStub(channel).Export(request, timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                                request_serializer=None, response_deserializer=None)(b"\xff\xff garbage", timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ExportTraceServiceRequest" in err.value.details()
+    assert response.partial_success.rejected_spans == 2
+    assert "invalid_trace_id" in response.partial_success.error_message
+    store = Store(collector.store, readonly=True)
+    try:
+        assert store.span_count() == 1
+        assert store.rejects() == {"end_before_start": 1, "invalid_trace_id": 1}
+        assert [r.node_id for r in store.nodes().values()] == ["otlp/unknown"]
+    finally:
+        store.close()
+
+
+class Receiver(otlp_grpc.TraceServiceServicer):
+    """A real OTLP/gRPC backend, as far as the protocol goes: keeps what it is sent."""
+
+    def __init__(self):
+        self.requests: list = []
+        self.metadata: list = []
+
+    def Export(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        return otlp.ExportTraceServiceResponse()
+
+
+TRACED = """
+import time, crosstrace
+provider = crosstrace.init()
+tracer = provider.get_tracer("t")
+for i in range(5):
+    wall = time.time_ns()
+    with tracer.start_as_current_span("work", attributes={"i": i, "wall_ns": wall}):
+        with tracer.start_as_current_span("inner", kind=crosstrace.Kind.COMPUTE):
+            time.sleep(0.002)
+    time.sleep(0.02)
+assert provider.force_flush(20000)
+"""
+
+
+def test_export_otlp_sends_aligned_unix_times(collector):
+    # A crosstrace node whose clock is 2.5 s ahead, and an OpenTelemetry SDK node.
+    run_python(TRACED, tracer_env(collector, "ahead", sim_clock_offset_ns=2_500_000_000,
+                                  clock_probe_interval_s=0.1), timeout=60)
+    sdk_truth = {s.context.span_id: s for s in sdk_spans(collector.address)}
+    receiver = Receiver()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    otlp_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", collector.store,
+                              "--otlp", f"127.0.0.1:{port}", "--otlp-header", "authorization=Bearer backend-token"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop(0)
+    assert out.returncode == 0, out.stderr
+    assert "sent 13 spans" in out.stderr
+    assert {m.get("authorization") for m in receiver.metadata} == {"Bearer backend-token"}
+
+    exported = {}
+    for request in receiver.requests:
+        for rs in request.resource_spans:
+            res = {kv.key: kv.value for kv in rs.resource.attributes}
+            for scope in rs.scope_spans:
+                for span in scope.spans:
+                    exported[int.from_bytes(span.span_id, "big")] = (res, span)
+    assert len(exported) == 13
+    store = Store(collector.store, readonly=True)
+    try:
+        analysed = report_mod.analyse_store(store)
+    finally:
+        store.close()
+    t, al = analysed.table, analysed.alignment
+    for i in range(len(t)):
+        res, span = exported[int(t.span_id[i])]
+        assert span.trace_id.hex() == t.trace_ids[t.trace[i]]
+        assert int.from_bytes(span.parent_span_id or b"\0", "big") == int(t.parent_id[i])
+        node = t.nodes[t.node[i]]
+        assert res[sc.NODE_ID].string_value == node
+        if node == "ahead":
+            # Aligned, then put on the Unix epoch.
+            assert span.start_time_unix_nano == al.start[i] + al.epoch_offset_ns
+            attrs = {kv.key: kv.value for kv in span.attributes}
+            assert attrs[sc.ERROR_BOUND_NS].int_value == al.error[i] < 1 * MS
+            if span.name == "work":   # the wall clock when the span started, despite the 2.5 s offset
+                assert abs(span.start_time_unix_nano - attrs["wall_ns"].int_value) < 20 * MS
+            else:
+                assert attrs[sc.KIND].string_value == "compute"
+        else:
+            truth = sdk_truth[int(t.span_id[i])]
+            assert abs(span.start_time_unix_nano - truth.start_time) < 1 * MS
+            assert span.kind in (trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT,
+                                 trace_pb2.Span.SPAN_KIND_INTERNAL)
+
+
+def test_export_otlp_to_nowhere_fails_clearly(collector):
+    run_python(TRACED, tracer_env(collector, "n"), timeout=60)
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", collector.store,
+                          "--otlp", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "OTLP export to 127.0.0.1:1 failed: UNAVAILABLE" in out.stderr
