@@ -8,66 +8,10 @@ what the collector recovered from clock samples alone.
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import time
 
 from ..launch import CollectorProcess
-
-
-@dataclasses.dataclass
-class SimClock:
-    offset_ns: int
-    drift_ppm: float
-
-
-class Workers:
-    """Child processes of one workload; each gets its own CROSSTRACE_* environment."""
-
-    def __init__(self, collector: CollectorProcess, epoch_ns: int):
-        self.collector = collector
-        self.epoch_ns = epoch_ns
-        self.procs: list[subprocess.Popen] = []
-        self.truth: dict[str, SimClock] = {}
-
-    def env(self, node_id: str, clock: SimClock, **extra) -> dict:
-        self.truth[node_id] = clock
-        return {**os.environ, "CROSSTRACE_ENDPOINT": self.collector.address, "CROSSTRACE_NODE_ID": node_id,
-                "CROSSTRACE_JOB_ID": "demo", "CROSSTRACE_SIM_CLOCK_OFFSET_NS": str(clock.offset_ns),
-                "CROSSTRACE_SIM_CLOCK_DRIFT_PPM": str(clock.drift_ppm),
-                "CROSSTRACE_SIM_CLOCK_EPOCH_NS": str(self.epoch_ns),
-                "CROSSTRACE_CLOCK_PROBE_INTERVAL_S": "1", **extra}
-
-    def start(self, args: list[str], env: dict, wait_listening: bool = False, timeout_s: float = 60) -> str | None:
-        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        if not wait_listening:
-            return None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("listening on "):
-                return line.split()[-1]
-            if not line and proc.poll() is not None:
-                break
-        raise RuntimeError(f"demo worker {' '.join(args)} did not start")
-
-    def wait(self, proc: subprocess.Popen, timeout_s: float) -> None:
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise RuntimeError(f"demo worker {proc.args} did not finish within {timeout_s:.0f} s") from None
-
-    def stop_all(self, timeout_s: float = 20) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+from .workers import SimClock, Workers
 
 
 def run_rpc_chain(workers: Workers, requests: int, say) -> None:
@@ -82,7 +26,26 @@ def run_rpc_chain(workers: Workers, requests: int, say) -> None:
     workers.wait(workers.procs[-1], 120)
 
 
-def run(out_dir: str = "crosstrace-demo", requests: int = 20, say=print) -> dict:
+# name -> (module with run(workers, say) -> dict, needs torch, what it shows)
+WORKLOADS = {
+    "rpc": (None, False, "frontend -> gateway -> model over gRPC, three clocks"),
+    "edge": ("crosstrace.demo.edge", True, "edge device -> delaying link -> cloud model, clock off by 100s of ms"),
+    "ddp": ("crosstrace.demo.ddp", True, "4-rank DDP training on gloo with one straggler"),
+    "pipeline": ("crosstrace.demo.pipeline", True, "2-stage pipeline-parallel training"),
+}
+
+
+def _torch_missing() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is None
+
+
+def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WORKLOADS), say=print) -> dict:
+    """Run the chosen workloads against one collector, then analyse the store. The report
+    gains a `demo` section: what was injected (clocks, straggler, link delays), so that it
+    can be set next to what the analysis found."""
+    import importlib
+
     from ..commands.report import build_report
 
     os.makedirs(out_dir, exist_ok=True)
@@ -90,17 +53,32 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, say=print) -> dict
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(store + suffix):
             os.remove(store + suffix)
+    injected, skipped = {}, {}
     say(f"starting a collector (store {store})")
     with CollectorProcess(store) as collector:
         say(f"collector listening on {collector.address}")
         workers = Workers(collector, epoch_ns=time.monotonic_ns())
         try:
-            run_rpc_chain(workers, requests, say)
+            for name in workloads:
+                module, needs_torch, what = WORKLOADS[name]
+                if needs_torch and _torch_missing():
+                    skipped[name] = "torch is not installed (pip install torch==2.13.0 'crosstrace[torch]')"
+                    say(f"{name}: skipped, {skipped[name]}")
+                    continue
+                started = time.monotonic()
+                if module is None:
+                    run_rpc_chain(workers, requests, say)
+                    injected[name] = {"requests": requests}
+                else:
+                    say(f"{name}: {what}")
+                    injected[name] = importlib.import_module(module).run(workers, say)
+                say(f"{name}: done in {time.monotonic() - started:.1f} s")
         finally:
             workers.stop_all()
     say("collector stopped; analysing")
     report, _ = build_report(store, quiet=True)
-    report["demo"] = {"injected_clocks": {node: dataclasses.asdict(c) for node, c in workers.truth.items()}}
+    report["demo"] = {"injected_clocks": {node: dataclasses.asdict(c) for node, c in workers.truth.items()},
+                      "workloads": injected, "skipped": skipped}
     path = os.path.join(out_dir, "report.json")
     with open(path, "w") as out:
         json.dump(report, out, indent=1)

@@ -1,0 +1,64 @@
+"""The demo's worker processes: each a separate Python process with its own CROSSTRACE_*
+environment and simulated clock, reporting to the demo's collector."""
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+from ..launch import CollectorProcess
+
+
+@dataclasses.dataclass
+class SimClock:
+    offset_ns: int
+    drift_ppm: float
+
+
+class Workers:
+    """Child processes of one workload; each gets its own CROSSTRACE_* environment."""
+
+    def __init__(self, collector: CollectorProcess, epoch_ns: int):
+        self.collector = collector
+        self.epoch_ns = epoch_ns
+        self.procs: list[subprocess.Popen] = []
+        self.truth: dict[str, SimClock] = {}
+
+    def env(self, node_id: str, clock: SimClock, **extra) -> dict:
+        self.truth[node_id] = clock
+        return {**os.environ, "CROSSTRACE_ENDPOINT": self.collector.address, "CROSSTRACE_NODE_ID": node_id,
+                "CROSSTRACE_JOB_ID": "demo", "CROSSTRACE_SIM_CLOCK_OFFSET_NS": str(clock.offset_ns),
+                "CROSSTRACE_SIM_CLOCK_DRIFT_PPM": str(clock.drift_ppm),
+                "CROSSTRACE_SIM_CLOCK_EPOCH_NS": str(self.epoch_ns),
+                "CROSSTRACE_CLOCK_PROBE_INTERVAL_S": "1", **extra}
+
+    def start(self, args: list[str], env: dict, wait_listening: bool = False, timeout_s: float = 60) -> str | None:
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        if not wait_listening:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("listening on "):
+                return line.split()[-1]
+            if not line and proc.poll() is not None:
+                break
+        raise RuntimeError(f"demo worker {' '.join(args)} did not start")
+
+    def wait(self, proc: subprocess.Popen, timeout_s: float) -> None:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise RuntimeError(f"demo worker {proc.args} did not finish within {timeout_s:.0f} s") from None
+
+    def stop_all(self, timeout_s: float = 20) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
