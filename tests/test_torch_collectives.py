@@ -22,7 +22,7 @@ from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind, Status
 from crosstrace.tracer.step import step_trace_id
 
-from .conftest import tracer_env
+from .conftest import run_python, tracer_env
 
 pytest.importorskip("torch.distributed")
 
@@ -246,3 +246,26 @@ def test_collectives_and_p2p_join_across_ranks(world, collector, tmp_path):
     assert {s["name"] for s, _ in pairs} == {"send", "isend"} and {r["name"] for _, r in pairs} == {"recv", "irecv"}
     assert all(r["a"][sc.P2P_BYTES] == 16 for s, r in pairs)
 
+
+
+def test_torch_without_distributed_warns_once_and_the_job_goes_on():
+    out = run_python("""
+        import warnings
+        import torch, torch.distributed as dist, torch.nn as nn
+        dist.is_available = lambda: False        # as on a torch built without torch.distributed
+        import crosstrace
+        model = nn.Linear(2, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = [crosstrace.instrument_collectives(), crosstrace.instrument_ddp(model) is model,
+                       crosstrace.instrument_pipeline(), crosstrace.instrument_collectives()]
+            with crosstrace.step(0):
+                loss = model(torch.ones(2)).sum()
+                loss.backward()
+        print(results)
+        print(len(caught))
+        print(caught[0].message)
+    """, timeout=120)
+    results, count, message = out.stdout.strip().splitlines()
+    assert results == "[False, True, False, False]" and count == "1"
+    assert "has no torch.distributed; nothing is traced" in message
