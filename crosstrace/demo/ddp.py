@@ -10,7 +10,6 @@ bucket's all-reduce that much earlier and wait there: what the report should fin
 """
 import argparse
 import datetime
-import socket
 import time
 
 from ..proto.semconv import Kind
@@ -22,39 +21,10 @@ STRAGGLER_RANK = 3
 STRAGGLE_MS = 50
 CLOCKS = (SimClock(120_000_000, 25.0), SimClock(-80_000_000, -40.0), SimClock(310_000_000, 15.0),
           SimClock(-45_000_000, 60.0))
-TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(workers: Workers, module: str, job_id: str, node: str, clocks, args: list[str],
-              timeout_s: float = TIMEOUT_S):
-    """Start one process per rank of a gloo job (torchrun's environment, node ids
-    "<node>-<rank>", one simulated clock each) and wait for all of them to succeed. Each
-    training job needs its own job id: step k's trace id is derived from (job id, k)."""
-    port = str(free_port())
-    procs = []
-    for rank, clock in enumerate(clocks):
-        env = workers.env(f"{node}-{rank}", clock, CROSSTRACE_JOB_ID=job_id, RANK=str(rank),
-                          WORLD_SIZE=str(len(clocks)), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=port, OMP_NUM_THREADS="1")
-        workers.start(["-m", module, *args], env)
-        procs.append(workers.procs[-1])
-    deadline = time.monotonic() + timeout_s
-    for rank, proc in enumerate(procs):
-        workers.wait(proc, max(1.0, deadline - time.monotonic()))
-        if proc.returncode != 0:
-            raise RuntimeError(f"demo worker {node}-{rank} ({module}) exited with {proc.returncode}")
-
-
 def run(workers: Workers, say) -> dict:
     say(f"ddp: {RANKS} gloo ranks on CPU train an MLP for {STEPS} steps, each rank its own clock; "
         f"trainer-{STRAGGLER_RANK} is made a straggler ({STRAGGLE_MS} ms sleep before backward, every step)")
-    run_ranks(workers, "crosstrace.demo.ddp", "demo-ddp", "trainer", CLOCKS,
+    workers.run_ranks("crosstrace.demo.ddp", "demo-ddp", "trainer", CLOCKS,
               ["--steps", str(STEPS), "--straggler-rank", str(STRAGGLER_RANK), "--straggle-ms", str(STRAGGLE_MS)])
     return {"workload": "ddp", "ranks": RANKS, "steps": STEPS, "straggler_rank": STRAGGLER_RANK,
             "straggler_node": f"trainer-{STRAGGLER_RANK}", "straggler_span": "forward", "straggle_ms": STRAGGLE_MS}

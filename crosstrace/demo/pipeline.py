@@ -10,7 +10,6 @@ import argparse
 import datetime
 import time
 
-from .ddp import run_ranks
 from .workers import SimClock, Workers
 
 STAGES = 2
@@ -25,7 +24,7 @@ def run(workers: Workers, say) -> dict:
     say(f"pipeline: {STAGES} stages on {STAGES} gloo ranks, {SCHEDULE}, {MICROBATCHES} microbatches, "
         f"{STEPS} steps, each rank its own clock; every stage takes {FORWARD_MS} ms forward and "
         f"{BACKWARD_MS} ms backward per microbatch")
-    run_ranks(workers, "crosstrace.demo.pipeline", "demo-pipeline", "stage", CLOCKS,
+    workers.run_ranks("crosstrace.demo.pipeline", "demo-pipeline", "stage", CLOCKS,
               ["--schedule", SCHEDULE, "--steps", str(STEPS), "--microbatches", str(MICROBATCHES)])
     return {"workload": "pipeline", "schedule": SCHEDULE, "stages": STAGES, "microbatches": MICROBATCHES,
             "steps": STEPS, "forward_ms": FORWARD_MS, "backward_ms": BACKWARD_MS,

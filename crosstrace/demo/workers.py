@@ -2,6 +2,7 @@
 environment and simulated clock, reporting to the demo's collector."""
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -53,6 +54,24 @@ class Workers:
             proc.kill()
             raise RuntimeError(f"demo worker {proc.args} did not finish within {timeout_s:.0f} s") from None
 
+    def run_ranks(self, module: str, job_id: str, node: str, clocks, args: list[str], timeout_s: float = 90):
+        """Start one process per rank of a gloo job (torchrun's environment, node ids
+        "<node>-<rank>", one simulated clock each) and wait for all of them to succeed. Each
+        training job needs its own job id: step k's trace id is derived from (job id, k)."""
+        port = str(free_port())
+        procs = []
+        for rank, clock in enumerate(clocks):
+            env = self.env(f"{node}-{rank}", clock, CROSSTRACE_JOB_ID=job_id, RANK=str(rank),
+                           WORLD_SIZE=str(len(clocks)), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port, OMP_NUM_THREADS="1")
+            self.start(["-m", module, *args], env)
+            procs.append(self.procs[-1])
+        deadline = time.monotonic() + timeout_s
+        for rank, proc in enumerate(procs):
+            self.wait(proc, max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"demo worker {node}-{rank} ({module}) exited with {proc.returncode}")
+
     def stop_all(self, timeout_s: float = 20) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -62,3 +81,9 @@ class Workers:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
