@@ -6,7 +6,9 @@ channel per configuration, all in this process). crosstrace exports for real, in
 background, to a collector process, and piggybacks a clock sample on every call; the SDK
 runs a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Rounds cycle
 through the three so that machine noise hits them alike; the added cost of each is the
-median over rounds of (its time - the untraced time of the same round).
+median over rounds of (its time - the untraced time of the same round), in wall time and
+in this process's CPU time (client, server and crosstrace's exporter threads; steadier
+than wall time on a shared machine).
 Target (issue 6): crosstrace adds <= 1/3 of what the OpenTelemetry instrumentation adds.
 
     python bench/grpc_overhead.py [--calls N] [--rounds R]
@@ -48,12 +50,13 @@ def serve(interceptors) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def per_call_us(call, n: int) -> float:
+def per_call_us(call, n: int) -> tuple[float, float]:
+    """(wall, CPU of this process) per call, in us."""
     payload = b"x" * 64
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         call(payload, timeout=10)
-    return (time.perf_counter() - t0) / n * 1e6
+    return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
 
 
 def metadata_bytes(provider) -> int:
@@ -116,16 +119,18 @@ def main() -> None:
         sdk.shutdown()
         for server in servers:
             server.stop(0)
-    added = {name: statistics.median(t - base for t, base in zip(times[name], times["none"]))
-             for name in ("crosstrace", "opentelemetry")}
+    added = {(name, k): statistics.median(t[k] - base[k] for t, base in zip(times[name], times["none"]))
+             for name in ("crosstrace", "opentelemetry") for k in (0, 1)}
     print(f"unary calls per round: {args.calls}, rounds: {args.rounds}, client and server in one process")
     for name, label in (("none", "no tracing"), ("crosstrace", "crosstrace interceptors"),
                         ("opentelemetry", "opentelemetry-instrumentation-grpc + SDK")):
-        extra = f"   adds {added[name]:6.1f} us" if name in added else ""
-        print(f"{label:42s} {statistics.median(times[name]):7.1f} us/call{extra}   (rounds: "
-              + ", ".join(f"{t:.0f}" for t in times[name]) + ")")
-    ratio = added["crosstrace"] / added["opentelemetry"]
-    print(f"added cost crosstrace / opentelemetry: {ratio:.3f}   (target <= 0.333)")
+        wall, cpu = (statistics.median(t[k] for t in times[name]) for k in (0, 1))
+        extra = f"   adds {added[name, 0]:6.1f} us (CPU {added[name, 1]:6.1f} us)" if name != "none" else ""
+        print(f"{label:42s} {wall:7.1f} us/call (CPU {cpu:6.1f}){extra}   (rounds: "
+              + ", ".join(f"{t[0]:.0f}" for t in times[name]) + ")")
+    for k, what in ((0, "wall"), (1, "CPU")):
+        ratio = added["crosstrace", k] / added["opentelemetry", k]
+        print(f"added {what} time crosstrace / opentelemetry: {ratio:.3f}   (target <= 0.333)")
     print(f"bytes crosstrace adds to a call (traceparent, t1, clock trailer): {wire}")
     print(f"all spans and clock samples acked by the collector: {flushed}, dropped spans: {samples_dropped}")
 

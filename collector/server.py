@@ -182,12 +182,16 @@ class Collector:
             raise OSError(f"cannot listen on {listen}: {exc}") from None
         host = listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
-        self.udp_clock = UdpClockResponder(host, self.port)
+        # The UDP responder answers from the real monotonic clock: with another clock (a
+        # relay's simulated one) its answers would contradict the gRPC exchange's, so
+        # tracers then use the gRPC exchange alone.
+        self.udp_clock = UdpClockResponder(host, self.port) if now is time.monotonic_ns else None
         self._stopped = threading.Event()
 
     def start(self) -> "Collector":
         self.server.start()
-        self.udp_clock.start()
+        if self.udp_clock is not None:
+            self.udp_clock.start()
         return self
 
     def stop(self, grace: float = 2.0) -> None:
@@ -195,7 +199,8 @@ class Collector:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self.udp_clock.stop()
+        if self.udp_clock is not None:
+            self.udp_clock.stop()
         self.server.stop(grace).wait(grace + 1)
         self.service.writer.close()
         self.store.close()

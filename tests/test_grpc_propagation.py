@@ -330,3 +330,35 @@ def test_wire_cost_is_a_few_hundred_bytes(collector):
     assert len(trailer) == 1 and trailer[0][1].endswith("edge-node-with-a-long-name%2F12345")
     added = sum(len(k) + len(v) for k, v in seen + trailer)
     assert 100 < added < 300, added
+
+
+def test_trace_state_and_baggage_cross_the_call(collector):
+    """Beyond a bare traceparent (which the interceptors write and read directly), the
+    OpenTelemetry propagator carries tracestate and baggage as configured."""
+    from opentelemetry import baggage, context, trace
+
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
+    seen = {}
+
+    def echo(request, context_):
+        current = trace.get_current_span().get_span_context()
+        seen[request] = (current.trace_id, current.trace_state.to_header(), baggage.get_baggage("tenant"))
+        return request
+
+    server, address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+    call = channel.unary_unary("/test.Svc/Echo")
+    upstream = trace.SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=trace.TraceFlags(1),
+                                 trace_state=trace.TraceState([("vendor", "v1")]))
+    token = context.attach(baggage.set_baggage("tenant", "acme", trace.set_span_in_context(
+        trace.NonRecordingSpan(upstream))))
+    try:
+        call(b"both", timeout=10)
+    finally:
+        context.detach(token)
+    with provider.get_tracer("t").start_as_current_span("plain") as plain:
+        call(b"plain", timeout=10)
+    server.stop(0)
+    provider.shutdown()
+    assert seen[b"both"] == (0x1234, "vendor=v1", "acme")
+    assert seen[b"plain"] == (plain.trace_id, "", None)

@@ -3,8 +3,10 @@ of the collector, resends after a restart, drop counting, fork safety."""
 import time
 
 import crosstrace
+from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until
+from crosstrace.proto import pb
 
 from .conftest import run_python, tracer_env
 
@@ -122,7 +124,6 @@ def test_forked_children_export_their_own_spans(collector):
     """, env=tracer_env(collector, "forker"), timeout=90)
     assert out.stdout.split() == ["0", "[0,", "0]", "True"], out.stderr
     store = Store(collector.store, readonly=True)
-    from crosstrace.collector import spantable
     t = spantable.load(store)
     names = [t.names[i] for i in t.name]
     assert names.count("in-worker") == 200 and names.count("raw-fork-child") == 1
@@ -161,3 +162,25 @@ def test_spans_ended_on_other_threads_arrive(collector):
     assert provider.force_flush(20_000)
     provider.shutdown()
     assert wait_until(lambda: count(collector.store) == 2000, 5)
+
+
+def test_exit_probes_the_clock_once_more_after_the_last_span(collector):
+    """A short-lived process: its only periodic probe was at start; shutdown forces one
+    more burst, so the collector has clock samples after the process's last span."""
+    run_python("""
+        import time, crosstrace
+        p = crosstrace.init(clock_probe_interval_s=3600, udp_clock=False)
+        t = p.get_tracer("t")
+        time.sleep(0.5)
+        with t.start_as_current_span("last"):
+            pass
+        p.shutdown()
+    """, env=tracer_env(collector, "brief"))
+    store = Store(collector.store, readonly=True)
+    try:
+        table = spantable.load(store)
+        probes = sorted(row[7] for row in store.clock_samples() if row[1] == pb.GRPC_EXCHANGE)
+    finally:
+        store.close()
+    last_span_end = int(table.end.max())
+    assert probes[0] < last_span_end < probes[-1]

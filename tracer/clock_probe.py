@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from urllib.parse import unquote
 
 import grpc
 
@@ -52,6 +53,11 @@ class ClockProber:
                 self._udp = None
         self._grpc_burst()
 
+    def due_now(self) -> None:
+        """Probe on the exporter thread's next round (at exit: a short-lived process then
+        still has samples close to its last spans)."""
+        self._next = 0.0
+
     def close(self) -> None:
         if self._udp is not None:
             self._udp.close()
@@ -72,6 +78,18 @@ class ClockProber:
             t4 = clock_now()
             self.samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t1, t2=reply.t2, t3=reply.t3,
                                                t4=t4, local_ns=t1))
+
+
+def piggyback_sample(t1: int, t4: int, trailer: str) -> "pb.ClockSample | None":
+    """An RPC's clock trailer ("t2 t3 node", tracer/instrument/grpc.py) with the client's
+    send and receive times, as a sample; None (and a debug line) when it is malformed."""
+    try:
+        t2, t3, node = trailer.split(" ", 2)
+        return pb.ClockSample(source=pb.RPC_PIGGYBACK, peer=unquote(node), t1=t1, t2=int(t2), t3=int(t3),
+                              t4=t4, local_ns=t1)
+    except (ValueError, AttributeError):
+        log.debug("crosstrace: ignoring a malformed clock trailer %r", trailer)
+        return None
 
 
 class _UdpChannel:

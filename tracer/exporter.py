@@ -24,7 +24,7 @@ import time
 import grpc
 
 from ..proto import pb
-from .clock_probe import ClockProber
+from .clock_probe import ClockProber, piggyback_sample
 from .encode import encode_spans
 from .span import THREAD_IDS
 from .spool import Spool
@@ -140,7 +140,9 @@ class Exporter:
         return done.wait(timeout_s)
 
     def shutdown(self, timeout_s: float) -> bool:
+        """A last clock-probe burst, the last flush, then stop (within timeout_s)."""
         deadline = time.monotonic() + timeout_s
+        self._prober.due_now()
         flushed = self.flush(timeout_s)
         self._stopping = True
         self._wake.set()
@@ -197,10 +199,15 @@ class Exporter:
                 flushes, self._pending_flushes = self._pending_flushes, []
             if len(THREAD_IDS) > 4096:
                 THREAD_IDS.clear()
-            try:
-                if not stopping:
+            if not stopping:
+                try:
                     self._prober.probe_if_due()
+                except Exception as exc:  # a failed probe costs samples, never spans
+                    self._warn_once("probe", f"crosstrace: clock probe error: {exc!r}")
+            sent = False
+            try:
                 self._send_queued()
+                sent = True
                 if self._unacked and self._ensure_stream() is None:
                     self._spill(everything=True)     # out of reach: keep it all on disk
                 else:
@@ -208,8 +215,11 @@ class Exporter:
             except Exception as exc:  # never let the exporter thread die
                 self._warn_once("export", f"crosstrace: export error: {exc!r}")
             with self._lock:
-                for done in flushes:
-                    self._waiters.append((self._order, done))
+                if sent:
+                    for done in flushes:
+                        self._waiters.append((self._order, done))
+                else:   # spans may still be queued, not yet batched: these flushes wait for a round that sends
+                    self._pending_flushes[:0] = flushes
                 self._resolve_waiters()
             if stopping:
                 return
@@ -227,7 +237,12 @@ class Exporter:
             if spans:
                 encode_spans(batch, spans)
             while samples:
-                batch.clock_samples.append(samples.popleft())
+                sample = samples.popleft()
+                if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
+                    sample = piggyback_sample(*sample)
+                    if sample is None:
+                        continue
+                batch.clock_samples.append(sample)
             self._sent_dropped = dropped
             self._send(batch, len(spans))
 

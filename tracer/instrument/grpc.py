@@ -10,9 +10,10 @@ OpenTelemetry propagator, and a clock sample from every call.
 Every call is a two-way clock exchange for free: the client sends its send time t1
 (`crosstrace-t1`); a crosstrace server answers in trailing metadata with its receive and
 send times t2, t3 and its node id (`crosstrace-clock: "t2 t3 node"`); the client adds its
-receive time t4 and records ClockSample(RPC_PIGGYBACK, peer=<server node>) through its
-provider, on the provider's clock. A server that is not crosstrace ignores t1, and a
-server answers nothing to a client that sent none: about 80 bytes per call, nothing else.
+receive time t4 and hands (t1, t4, trailer) to its provider, on the provider's clock; the
+exporter thread makes it a ClockSample(RPC_PIGGYBACK, peer=<server node>). A server that
+is not crosstrace ignores t1, and a server answers nothing to a client that sent none:
+about 80 bytes per call, nothing else.
 (grpc.aio sends an aborting handler's status at once: such a call gives no sample.)
 
 Interceptors bind to their provider (given, or OpenTelemetry's global one) on first use,
@@ -22,15 +23,20 @@ is not crosstrace's, spans are still made through the OpenTelemetry API, without
 import asyncio
 import inspect
 import logging
-from urllib.parse import quote, unquote
+import re
+from urllib.parse import quote
 
 import grpc
+from opentelemetry import baggage as baggage_api
 from opentelemetry import context as context_api
 from opentelemetry import propagate
 from opentelemetry import trace as trace_api
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.context.context import Context
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.trace.status import StatusCode
 
-from ...proto import pb
 from ...proto import semconv as sc
 from ..span import Span
 
@@ -102,6 +108,52 @@ def _method_info(full_method) -> tuple[str, dict]:
     return info
 
 
+# -- trace context in metadata --------------------------------------------------------------
+# With OpenTelemetry's default propagator (W3C trace context + baggage) and nothing but a
+# traceparent to carry, the header is written and read here directly: the generic
+# propagator costs several times the rest of the interceptor. Anything else (tracestate,
+# baggage, another configured propagator, an unusual header) goes through the propagator.
+
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_DEFAULT_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
+_textmap_seen: tuple = (None, False)     # (the global propagator last seen, whether it is the default)
+
+
+def _default_textmap() -> bool:
+    global _textmap_seen
+    textmap = propagate.get_global_textmap()
+    seen, default = _textmap_seen
+    if textmap is not seen:
+        default = isinstance(textmap, CompositePropagator) and tuple(
+            type(p) for p in getattr(textmap, "_propagators", ())) == _DEFAULT_PROPAGATORS
+        _textmap_seen = (textmap, default)
+    return default
+
+
+def _inject(span, metadata: list) -> None:
+    if isinstance(span, Span) and not span.trace_state and _default_textmap() and not baggage_api.get_all():
+        metadata.append(("traceparent", f"00-{span.trace_id:032x}-{span.span_id:016x}-01"))
+        return
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace_api.set_span_in_context(span))
+    metadata.extend(carrier.items())
+
+
+def _extract(carrier: dict) -> Context:
+    if _default_textmap() and "tracestate" not in carrier and "baggage" not in carrier:
+        header = carrier.get("traceparent")
+        if header is None:
+            return Context()
+        match = _TRACEPARENT.fullmatch(header) if isinstance(header, str) else None
+        if match is not None:
+            trace_id, span_id = int(match[1], 16), int(match[2], 16)
+            if trace_id and span_id:
+                parent = trace_api.SpanContext(trace_id, span_id, is_remote=True,
+                                               trace_flags=trace_api.TraceFlags(int(match[3], 16)))
+                return trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent), Context())
+    return propagate.extract(carrier)
+
+
 # -- client side ----------------------------------------------------------------------------
 
 def _client_start(b: _Binding, details):
@@ -109,9 +161,7 @@ def _client_start(b: _Binding, details):
     name, attributes = _method_info(details.method)
     span = b.tracer.start_span(name, kind=_CLIENT, attributes=attributes)
     metadata = list(details.metadata or ())
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace_api.set_span_in_context(span))
-    metadata.extend(carrier.items())
+    _inject(span, metadata)
     t1 = None
     if b.now is not None:
         t1 = b.now()
@@ -124,7 +174,7 @@ def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
     if t1 is not None and trailing:
         for key, value in trailing:
             if key == CLOCK_KEY:
-                _add_sample(b, t1, t4, value)
+                b.add_sample((t1, t4, value))   # parsed by the exporter thread (clock_probe.piggyback_sample)
                 break
     if code is None:
         code = grpc.StatusCode.UNKNOWN
@@ -132,17 +182,6 @@ def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
     if code is not _OK:
         span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
     span.end()
-
-
-def _add_sample(b: _Binding, t1: int, t4: int, value) -> None:
-    try:
-        t2, t3, node = value.split(" ", 2)
-        sample = pb.ClockSample(source=pb.RPC_PIGGYBACK, peer=unquote(node), t1=t1, t2=int(t2), t3=int(t3),
-                                t4=t4, local_ns=t1)
-    except ValueError:
-        log.debug("crosstrace: ignoring a malformed %s trailer %r", CLOCK_KEY, value)
-        return
-    b.add_sample(sample)
 
 
 def _outcome_finisher(b: _Binding, span, t1):
@@ -276,7 +315,7 @@ class _ServerCall:
                 carrier[key] = value
         self.t1 = t1 if b.now is not None else None
         self.t2 = t2
-        self.parent = propagate.extract(carrier)
+        self.parent = _extract(carrier)
         name, attributes = _method_info(method)
         self.span = b.tracer.start_span(name, context=self.parent, kind=_SERVER, attributes=attributes)
         if t2 is not None and isinstance(self.span, Span):

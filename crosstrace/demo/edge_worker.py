@@ -1,0 +1,101 @@
+"""The edge demo's processes: an edge device that preprocesses and calls the cloud over
+gRPC, and a cloud service with one model worker (a small torch model).
+
+    python -m crosstrace.demo.edge_worker --role cloud
+    python -m crosstrace.demo.edge_worker --role edge --upstream HOST:PORT --requests 30
+The cloud prints "listening on HOST:PORT" and serves until SIGTERM. Requests wait in a
+queue for the single model worker (a `queue` span), then run (an `inference` span of kind
+COMPUTE). The edge sends from a few camera streams at once, so some requests do wait.
+torch is imported by the cloud only: edge devices have none.
+"""
+import argparse
+import concurrent.futures
+import queue
+import random
+import threading
+import time
+
+import grpc
+from opentelemetry import context as context_api
+from opentelemetry import trace
+
+import crosstrace
+
+from .rpc_chain import METHOD, _busy, _serve
+
+STREAMS = 3          # camera streams on the edge, each sending its requests one after another
+
+
+def cloud(listen: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 10)).eval()
+    with torch.inference_mode():
+        model(torch.zeros(16, 768))        # warm up before the first request
+    tracer = trace.get_tracer("crosstrace.demo.cloud")
+    waiting: "queue.SimpleQueue" = queue.SimpleQueue()
+
+    def model_worker() -> None:
+        while True:
+            request, ctx, queued, answer = waiting.get()
+            queued.end()
+            with tracer.start_as_current_span("inference", context=ctx, kind=crosstrace.Kind.COMPUTE):
+                with torch.inference_mode():
+                    logits = model(torch.frombuffer(bytearray(request), dtype=torch.float32).reshape(-1, 768))
+                answer.set_result(logits.argmax(dim=1).numpy().tobytes())
+
+    threading.Thread(target=model_worker, daemon=True).start()
+
+    def handle(request, context):
+        queued = tracer.start_span("queue")
+        answer = concurrent.futures.Future()
+        waiting.put((request, context_api.get_current(), queued, answer))
+        return answer.result(timeout=30)
+
+    _serve(listen, handle)
+
+
+def edge(upstream: str, requests: int) -> None:
+    tracer = trace.get_tracer("crosstrace.demo.edge")
+    raw = grpc.insecure_channel(upstream)
+    grpc.channel_ready_future(raw).result(timeout=30)   # connected: no request pays the handshake
+    channel = crosstrace.instrument_channel(raw)
+    infer = channel.unary_unary(METHOD)
+    image = bytes(4 * 768 * 4)      # 4 feature vectors, float32
+
+    def stream(index: int, count: int) -> None:
+        rng = random.Random(index)
+        for i in range(count):
+            with tracer.start_as_current_span("edge-request", attributes={"stream": index, "request": i}):
+                with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
+                    _busy(3 + 2 * rng.random())
+                infer(image, timeout=30)
+            time.sleep(0.02 * rng.random())
+
+    threads = [threading.Thread(target=stream, args=(s, requests // STREAMS + (s < requests % STREAMS)))
+               for s in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", choices=("edge", "cloud"), required=True)
+    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--upstream", help="the cloud's address (through the delaying link)")
+    parser.add_argument("--requests", type=int, default=30)
+    args = parser.parse_args()
+    provider = crosstrace.init(role=args.role)   # endpoint, node id and clock from CROSSTRACE_* env
+    if args.role == "cloud":
+        cloud(args.listen)
+    else:
+        edge(args.upstream, args.requests)
+    provider.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Relay mode with real processes: devices -> `crosstrace collector --forward-to` (an edge
+gateway) -> the cloud collector. Every span arrives upstream once, the devices' clock
+samples go up naming the gateway, and upstream composes device -> gateway -> cloud with
+bounds that add up; simulated clocks on the devices and on the gateway give the truth."""
+import time
+
+import numpy as np
+
+from crosstrace.collector.align import fit_models
+from crosstrace.collector.store import Store
+from crosstrace.launch import CollectorProcess, wait_until
+from crosstrace.proto import pb
+
+from .conftest import run_python
+from .test_clock_loopback import injected_offset, span_starts
+from .test_spool import free_port, stored_indices
+
+DEVICE = """
+import sys, time, crosstrace
+p = crosstrace.init()
+t = p.get_tracer("device")
+for i in range(int(sys.argv[1])):
+    with t.start_as_current_span("sense", attributes={"i": i}):
+        time.sleep(0.001)
+    if i % 100 == 99:
+        time.sleep(0.1)
+print("flushed", p.force_flush(30000))
+"""
+
+GATEWAY = (-150_000_000, -20.0)
+DEVICES = {"camera": (450_000_000, 30.0), "lidar": (-80_000_000, -15.0)}
+
+
+def sim(offset_ns: int, drift_ppm: float, epoch_ns: int) -> dict:
+    return {"CROSSTRACE_SIM_CLOCK_OFFSET_NS": str(offset_ns), "CROSSTRACE_SIM_CLOCK_DRIFT_PPM": str(drift_ppm),
+            "CROSSTRACE_SIM_CLOCK_EPOCH_NS": str(epoch_ns), "CROSSTRACE_CLOCK_PROBE_INTERVAL_S": "0.3"}
+
+
+def gateway(tmp_path, upstream: str, epoch_ns: int) -> CollectorProcess:
+    return CollectorProcess(str(tmp_path / "gateway.db"), env=sim(*GATEWAY, epoch_ns),
+                            extra_args=("--forward-to", upstream, "--node-id", "gateway"))
+
+
+def device(relay: CollectorProcess, node: str, epoch_ns: int, spans: int) -> None:
+    env = {"CROSSTRACE_ENDPOINT": relay.address, "CROSSTRACE_NODE_ID": node, **sim(*DEVICES[node], epoch_ns)}
+    out = run_python(DEVICE, env, timeout=90, args=(str(spans),))
+    assert out.stdout.split() == ["flushed", "True"], out.stderr
+
+
+def test_devices_through_a_gateway_arrive_once_with_composed_clocks(tmp_path):
+    epoch = time.monotonic_ns()
+    with CollectorProcess(str(tmp_path / "cloud.db")) as cloud:
+        relay = gateway(tmp_path, cloud.address, epoch)
+        try:
+            for node in DEVICES:
+                device(relay, node, epoch, 600)
+            assert wait_until(lambda: len(stored_indices(cloud.store)) == 1200, 30)
+        finally:
+            assert relay.stop() == 0             # a last probe burst and flush upstream
+        assert stored_indices(relay.store, "camera") == list(range(600))    # the gateway keeps its own copy
+    for node in DEVICES:
+        assert stored_indices(cloud.store, node) == list(range(600))       # once each, upstream
+
+    store = Store(cloud.store, readonly=True)
+    try:
+        models = fit_models(store)
+        names = {i: r.node_id for i, r in store.nodes().items()}
+        peers = {(names[row[0]], row[1], row[2]) for row in store.clock_samples()}
+        starts = {node: span_starts(store, node) for node in DEVICES}
+    finally:
+        store.close()
+    # The devices' exchanges were answered by the gateway: they go up naming it.
+    assert {(n, s, p) for n, s, p in peers if n in DEVICES} == {(n, pb.GRPC_EXCHANGE, "gateway") for n in DEVICES}
+    assert models["gateway"].sources and all(s in ("udp", "grpc") for s in models["gateway"].sources)
+    relay_error = models["gateway"].error_ns
+    for node, (offset, drift) in DEVICES.items():
+        m = models[node]
+        assert m.sources == ("rpc:gateway",), m
+        t = starts[node]
+        true = injected_offset(t, offset, drift, epoch)    # device - cloud: the gateway's clock drops out
+        lo, hi = m.bounds_at(t)
+        assert np.all((lo <= true + 1) & (true - 1 <= hi)), (node, (true - lo).min(), (hi - true).min())
+        assert np.all(m.error_at(t) >= relay_error)        # the gateway's uncertainty is inside
+        assert np.all(np.abs(m.offset_at(t) - true) <= m.error_at(t) + 1)
+
+
+def test_gateway_spools_while_the_cloud_is_down_and_forwards_once_it_is_back(tmp_path):
+    epoch = time.monotonic_ns()
+    port = free_port()
+    relay = gateway(tmp_path, f"127.0.0.1:{port}", epoch)
+    try:
+        device(relay, "camera", epoch, 300)        # acked by the gateway: on its disk
+        with CollectorProcess(str(tmp_path / "cloud.db"), listen=f"127.0.0.1:{port}") as cloud:
+            assert wait_until(lambda: len(stored_indices(cloud.store, "camera")) == 300, 30)
+            device(relay, "camera", epoch, 200)    # a second run of the device, cloud up
+            assert wait_until(lambda: len(stored_indices(cloud.store, "camera")) == 500, 30)
+            assert stored_indices(cloud.store, "camera") == sorted(list(range(300)) + list(range(200)))
+    finally:
+        assert relay.stop() == 0

@@ -1,0 +1,201 @@
+"""Intermittent links, with real tracer processes and real collectors: an edge that runs
+with its collector down spools to disk and delivers every span once it is back (the oldest
+dropped and counted beyond the spool limit); the node's next process replays what the last
+one left; a tracer killed mid-stream and a collector killed mid-run lose no acked span and
+store none twice."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from crosstrace.collector import spantable
+from crosstrace.collector.store import Store
+from crosstrace.launch import CollectorProcess
+
+EDGE = """
+import os, sys, time, crosstrace
+n, pad = int(sys.argv[1]), int(sys.argv[2])
+p = crosstrace.init()
+t = p.get_tracer("edge")
+for i in range(n):
+    with t.start_as_current_span("edge-work", attributes={"i": i, "pad": f"{i:08d}" * pad}):
+        pass
+    if i % 2000 == 1999:
+        time.sleep(0.2)                     # an edge that runs for a while
+spool = os.environ["CROSSTRACE_SPOOL_DIR"]
+deadline = time.monotonic() + 20
+def on_disk():
+    return sum(name.endswith(".batch") for _, _, names in os.walk(spool) for name in names)
+while not on_disk() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("spooled", on_disk(), flush=True)
+if sys.argv[3] == "flush":
+    print("flushed", p.force_flush(60000), p.dropped_spans, flush=True)
+else:
+    p.shutdown(timeout_millis=500)            # gone before the collector is back
+    print("exited", flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(code: str, env: dict, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+
+
+def next_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 60) -> list[str]:
+    """The words of the child's next stdout line that starts with `prefix` (killed on timeout)."""
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line.split()[1:]
+    finally:
+        timer.cancel()
+    raise AssertionError(f"child exited ({proc.wait(5)}) before {prefix!r}: {proc.stderr.read()}")
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    try:
+        assert proc.wait(timeout_s) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def edge_env(port: int, node: str, spool, **extra) -> dict:
+    env = {"CROSSTRACE_ENDPOINT": f"127.0.0.1:{port}", "CROSSTRACE_NODE_ID": node,
+           "CROSSTRACE_SPOOL_DIR": str(spool), "CROSSTRACE_UDP_CLOCK": "0", "CROSSTRACE_EXPORT_INTERVAL_MS": "50"}
+    env.update({f"CROSSTRACE_{k.upper()}": str(v) for k, v in extra.items()})
+    return env
+
+
+def stored_indices(path: str, node: str | None = None) -> list[int]:
+    """The `i` attribute of every stored span (of `node`), sorted: duplicates would show."""
+    store = Store(path, readonly=True)
+    try:
+        table = spantable.load(store)
+    finally:
+        store.close()
+    return sorted(table.attributes[r]["i"] for r in range(len(table.node))
+                  if node is None or table.nodes[table.node[r]] == node)
+
+
+def dropped(path: str) -> dict[str, int]:
+    store = Store(path, readonly=True)
+    try:
+        return store.dropped_by_node()
+    finally:
+        store.close()
+
+
+def test_edge_offline_for_a_while_delivers_every_span_once_it_is_back(tmp_path):
+    port = free_port()
+    edge = start(EDGE, edge_env(port, "camera", tmp_path / "spool"), 10000, 1, "flush")
+    try:
+        spooled = int(next_line(edge, "spooled")[0])
+        assert spooled > 0                       # on disk while the collector was away
+        with CollectorProcess(str(tmp_path / "store.db"), listen=f"127.0.0.1:{port}") as collector:
+            flushed, lost = next_line(edge, "flushed")
+            finish(edge)
+            assert (flushed, lost) == ("True", "0")
+            assert stored_indices(collector.store) == list(range(10000))
+            assert dropped(collector.store) == {"camera": 0}
+    finally:
+        finish(edge)
+    assert not [f for _, _, names in os.walk(tmp_path / "spool") for f in names if f.endswith(".batch")]
+
+
+def test_full_spool_drops_the_oldest_and_the_report_counts_them(tmp_path):
+    port = free_port()
+    n = 12000          # ~2.5 MB of batches for a 1 MB spool
+    edge = start(EDGE, edge_env(port, "camera", tmp_path / "spool", spool_max_mb=1, batch_size=500), n, 25, "flush")
+    try:
+        next_line(edge, "spooled")
+        with CollectorProcess(str(tmp_path / "store.db"), listen=f"127.0.0.1:{port}") as collector:
+            flushed, lost = next_line(edge, "flushed")
+            finish(edge)
+            kept = stored_indices(collector.store)
+            assert flushed == "True" and int(lost) > 0
+            assert len(kept) + int(lost) == n
+            assert kept == list(range(n - len(kept), n))     # the newest survive
+            assert dropped(collector.store) == {"camera": int(lost)}
+    finally:
+        finish(edge)
+
+
+def test_the_next_process_of_a_node_replays_what_the_last_one_left(tmp_path):
+    port = free_port()
+    spool = tmp_path / "spool"
+    first = start(EDGE, edge_env(port, "robot", spool), 3000, 1, "exit")
+    next_line(first, "exited")
+    finish(first)
+    assert any(f.endswith(".batch") for _, _, names in os.walk(spool) for f in names)
+    with CollectorProcess(str(tmp_path / "store.db"), listen=f"127.0.0.1:{port}") as collector:
+        second = start(EDGE, edge_env(port, "robot", spool), 10, 1, "flush")
+        assert next_line(second, "flushed") == ["True", "0"]
+        finish(second)
+        # 3000 spans of the first process (i = 0..2999), 10 of the second (i = 0..9)
+        assert stored_indices(collector.store) == sorted(list(range(3000)) + list(range(10)))
+
+
+STREAM = """
+import sys, crosstrace
+p = crosstrace.init()
+t = p.get_tracer("edge")
+n = int(sys.argv[1])
+for i in range(n):
+    with t.start_as_current_span("streamed", attributes={"i": i}):
+        pass
+    if i % 500 == 499 and p.force_flush(30000):
+        print("acked", i + 1, flush=True)    # every span up to here is committed
+print("flushed", p.force_flush(60000), flush=True)
+"""
+
+
+def test_tracer_killed_mid_stream_loses_no_acked_span_and_duplicates_none(tmp_path):
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        env = edge_env(collector.port, "killed", tmp_path / "spool", export_interval_ms=10)
+        edge = start(STREAM, env, 10**9)
+        try:
+            while int(next_line(edge, "acked")[0]) < 5000:
+                pass
+            acked = int(next_line(edge, "acked")[0])
+            edge.send_signal(signal.SIGKILL)     # mid-stream: batches sent and not acked yet
+        finally:
+            edge.kill()
+            edge.wait(10)
+    kept = stored_indices(collector.store)
+    assert kept[:acked] == list(range(acked))    # every acked span
+    assert len(set(kept)) == len(kept)           # none twice
+
+
+def test_collector_killed_and_restarted_mid_run_loses_nothing(tmp_path):
+    path = str(tmp_path / "store.db")
+    collector = CollectorProcess(path)
+    port = collector.port
+    env = edge_env(port, "steady", tmp_path / "spool", export_interval_ms=10)
+    edge = start(STREAM.replace('print("acked"', 'time.sleep(0.02); print("acked"').replace(
+        "import sys,", "import sys, time,"), env, 40000)
+    try:
+        next_line(edge, "acked")
+        collector.kill()                         # SIGKILL while the tracer streams
+        time.sleep(0.5)
+        collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")
+        assert next_line(edge, "flushed") == ["True"]
+        finish(edge)
+    finally:
+        collector.stop()
+        finish(edge)
+    assert stored_indices(path) == list(range(40000))
