@@ -265,7 +265,8 @@ class TracerProvider(trace_api.TracerProvider):
         return self._queue.dropped + (self._exporter.dropped if self._exporter else 0)
 
     def add_clock_sample(self, sample) -> None:
-        """Queue a ClockSample (from gRPC piggyback, NTP or PTP) for the next batch."""
+        """Queue a clock sample for the next batch: a ClockSample (NTP, PTP), or an RPC's raw
+        (t1, t4, trailer), which the exporter thread parses off the call path."""
         self._queue.samples.append(sample)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:

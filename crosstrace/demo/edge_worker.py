@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 import crosstrace
 
-from .rpc_chain import METHOD, _busy, _serve
+from .rpc_chain import METHOD, busy, serve
 
 STREAMS = 3          # camera streams on the edge, each sending its requests one after another
 
@@ -54,7 +54,7 @@ def cloud(listen: str) -> None:
         waiting.put((request, context_api.get_current(), queued, answer))
         return answer.result(timeout=30)
 
-    _serve(listen, handle)
+    serve(listen, handle)
 
 
 def edge(upstream: str, requests: int) -> None:
@@ -70,7 +70,7 @@ def edge(upstream: str, requests: int) -> None:
         for i in range(count):
             with tracer.start_as_current_span("edge-request", attributes={"stream": index, "request": i}):
                 with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
-                    _busy(3 + 2 * rng.random())
+                    busy(3 + 2 * rng.random())
                 infer(image, timeout=30)
             time.sleep(0.02 * rng.random())
 

@@ -19,7 +19,7 @@ import crosstrace
 METHOD = "/demo.Stage/Process"
 
 
-def _busy(ms: float) -> None:
+def busy(ms: float) -> None:
     """Compute-like work that holds the CPU (sleep would not)."""
     end = time.perf_counter() + ms / 1000
     x = 0
@@ -27,7 +27,7 @@ def _busy(ms: float) -> None:
         x += 1
 
 
-def _serve(listen: str, handle) -> None:
+def serve(listen: str, handle) -> None:
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(4),
                          interceptors=[crosstrace.server_interceptor()])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("demo.Stage", {
@@ -55,25 +55,25 @@ def main() -> None:
     if args.role == "model":
         def handle(request, context):
             with tracer.start_as_current_span("inference", kind=crosstrace.Kind.COMPUTE):
-                _busy(4 + rng.random() * 2)
+                busy(4 + rng.random() * 2)
             return b"logits"
-        _serve(args.listen, handle)
+        serve(args.listen, handle)
     elif args.role == "gateway":
         channel = crosstrace.instrument_channel(grpc.insecure_channel(args.upstream))
         call = channel.unary_unary(METHOD)
 
         def handle(request, context):
             with tracer.start_as_current_span("route", kind=crosstrace.Kind.COMPUTE):
-                _busy(0.5)
+                busy(0.5)
             return call(request, timeout=10)
-        _serve(args.listen, handle)
+        serve(args.listen, handle)
     else:
         channel = crosstrace.instrument_channel(grpc.insecure_channel(args.upstream))
         call = channel.unary_unary(METHOD)
         for i in range(args.requests):
             with tracer.start_as_current_span("request", attributes={"request": i}):
                 with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
-                    _busy(2 + rng.random())
+                    busy(2 + rng.random())
                 call(b"image", timeout=10)
             time.sleep(0.01)
     provider.shutdown()
