@@ -8,16 +8,19 @@ and point-to-point waits are split at the partner's entry (Scalasca's "wait at N
 was busy with before (Scalasca's delay cost). Pipeline traces also get their measured
 bubble fraction next to the schedule's ideal (p - 1) / (v * m + p - 1).
 
-Everything is vectorised over SpanTable rows (all traces at once, interval sweeps as in
-HTA); the judgement calls are the tables right below, and nowhere else.
+Everything is vectorised over SpanTable rows (every trace of a batch at once, interval
+sweeps as in HTA; large tables go in batches of traces, collector/batches.py); the
+judgement calls are the tables right below, and nowhere else.
 """
 import dataclasses
+import itertools
+import operator
 
 import numpy as np
 
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
-from . import critical_path
+from . import batches, critical_path
 from .align import Alignment
 from .critical_path import NO_EDGE, Paths
 from .dag import Dag, Edge, dense, group_time_order, stitch
@@ -277,7 +280,9 @@ def _exclusive(group, s, e, cat, n_groups, base, span):
 
 def _pipeline_rows(table: SpanTable) -> tuple[np.ndarray, dict]:
     """Rows carrying pp.* attributes, and per trace the first such row's attributes."""
-    cand = np.flatnonzero(np.isin(table.kind, [Kind.COMPUTE, Kind.SEND, Kind.RECV, Kind.INTERNAL]))
+    attrs = table.attributes
+    has_attributes = np.fromiter(map(operator.is_not, attrs, itertools.repeat(None)), dtype=bool, count=len(attrs))
+    cand = np.flatnonzero(has_attributes & np.isin(table.kind, [Kind.COMPUTE, Kind.SEND, Kind.RECV, Kind.INTERNAL]))
     stage = table.attr(sc.PP_STAGE, cand)
     pp = cand[np.fromiter((v is not None for v in stage), dtype=bool, count=len(cand))]
     first = {}
@@ -309,10 +314,50 @@ def _pipeline_summary(table: SpanTable, first_row: int, pp_rows: np.ndarray, fra
             "ideal_bubble_fraction": ideal}
 
 
-def attribute(table: SpanTable, alignment: Alignment, matches: Matches) -> Attribution:
-    """Stitch, find the critical paths, and attribute every trace of the table."""
-    dag = stitch(table, alignment, matches)
-    paths = critical_path.find(dag)
+def attribute(table: SpanTable, alignment: Alignment, matches: Matches,
+              batch_spans: int = batches.SPANS_PER_BATCH) -> Attribution:
+    """Stitch, find the critical paths, and attribute every trace of the table, in batches
+    of whole traces of about `batch_spans` spans (collector/batches.py says why)."""
+    if len(table) <= batch_spans:
+        dag = stitch(table, alignment, matches)
+        return attribute_paths(table, alignment, matches, dag, critical_path.find(dag))
+    parts = batches.split(table, alignment, matches, batch_spans)
+    results = [attribute(b.table, b.alignment, b.matches, max(batch_spans, len(b.table))) for b in parts]
+    return _merge(table, matches, parts, results)
+
+
+def _merge(table: SpanTable, matches: Matches, parts: list, results: list[Attribution]) -> Attribution:
+    """One Attribution of the whole table from those of its batches."""
+    cat = np.concatenate
+    dags = [r.dag for r in results]
+    m = batches.Merge(parts, dags, len(table))
+    dag = batches.merge_dag(m, dags, matches, table)
+    paths = batches.merge_paths(m, [r.paths for r in results], dags, len(table.trace_ids))
+    group_offset = np.r_[0, np.cumsum([len(r.group_trace) for r in results])]
+    ops = sorted(set(matches.coll_op))
+    op_id = {op: i for i, op in enumerate(ops)}
+    w = [r.waits for r in results]
+    waits = Waits(
+        trace=cat([x.trace + b.first_trace for x, b in zip(w, parts)]), is_collective=cat([x.is_collective for x in w]),
+        late_row=cat([m.rows(i, x.late_row) for i, x in enumerate(w)]),
+        cause_row=cat([m.rows(i, x.cause_row) for i, x in enumerate(w)]), cost_ns=cat([x.cost_ns for x in w]),
+        lateness_ns=cat([x.lateness_ns for x in w]), waiting=cat([x.waiting for x in w]),
+        join=cat([m.joins(i, x.join) for i, x in enumerate(w)]))
+    return Attribution(
+        dag, paths, matches, segment_category=cat([r.segment_category for r in results]),
+        segment_row=cat([m.rows(i, r.segment_row) for i, r in enumerate(results)]),
+        critical=cat([r.critical for r in results]),
+        group=m.scatter_rows([r.group + group_offset[i] for i, r in enumerate(results)]),
+        group_trace=cat([r.group_trace + b.first_trace for r, b in zip(results, parts)]),
+        group_node=cat([r.group_node for r in results]), group_pipeline=cat([r.group_pipeline for r in results]),
+        window=cat([r.window for r in results]), per_rank=cat([r.per_rank for r in results]), waits=waits, ops=ops,
+        op_of_join=cat([np.array([op_id[op] for op in r.ops] + [0], dtype=np.int64)[r.op_of_join] for r in results]),
+        join_wait=cat([r.join_wait for r in results]), join_transfer=cat([r.join_transfer for r in results]),
+        pipelines={tr + b.first_trace: v for r, b in zip(results, parts) for tr, v in r.pipelines.items()})
+
+
+def attribute_paths(table: SpanTable, alignment: Alignment, matches: Matches, dag: Dag, paths: Paths) -> Attribution:
+    """Attribute every trace, given its stitched DAG and critical paths."""
     n, n_traces = len(table), len(table.trace_ids)
     start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
 
@@ -408,4 +453,4 @@ def _waits(table: SpanTable, dag: Dag, start, end):
     return waits, np.rint(join_wait).astype(np.int64), np.rint(join_transfer).astype(np.int64)
 
 
-__all__ = ["CATEGORIES", "REMOTE", "Attribution", "Waits", "attribute", "pieces"]
+__all__ = ["CATEGORIES", "REMOTE", "Attribution", "Waits", "attribute", "attribute_paths", "pieces"]

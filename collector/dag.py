@@ -103,15 +103,43 @@ def group_time_order(group: np.ndarray, time: np.ndarray, group_base: np.ndarray
 
 
 def dense(*columns: np.ndarray) -> tuple[np.ndarray, int]:
-    """Dense ids (0..k-1) of the distinct combinations of integer columns, and k."""
-    ids, k = np.zeros(len(columns[0]), dtype=np.int64), 1
-    if not len(ids):
+    """Dense ids (0..k-1) of the distinct combinations of integer columns, in the columns'
+    lexicographic order, and k. Small non-negative columns (row, trace and node indices) are
+    combined by counting, in linear time; others are ranked by sorting."""
+    n = len(columns[0])
+    ids, k = np.zeros(n, dtype=np.int64), 1
+    if not n:
         return ids, 0
     for col in columns:
-        _, inv = np.unique(col, return_inverse=True)
-        values, ids = np.unique(ids * (int(inv.max()) + 1) + inv.reshape(-1), return_inverse=True)
-        ids, k = ids.reshape(-1), len(values)
-    return ids, k
+        codes, size = _codes(col, _small(n))
+        ids, k = ids * size + codes, k * size
+        if k > _small(n):
+            ids, k = _compact(ids, k)
+    return _compact(ids, k)
+
+
+def _small(n: int) -> int:
+    """Largest key range counted with an array rather than sorted."""
+    return 4 * n + 1024
+
+
+def _codes(col: np.ndarray, small: int) -> tuple[np.ndarray, int]:
+    if col.dtype.kind in "iu":
+        lo, hi = int(col.min()), int(col.max())
+        if lo >= 0 and hi < small:
+            return col.astype(np.int64), hi + 1
+    values, inverse = np.unique(col, return_inverse=True)
+    return inverse.reshape(-1).astype(np.int64), len(values)
+
+
+def _compact(ids: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """Renumber ids in [0, k) to 0..distinct-1, keeping their order."""
+    if k > _small(len(ids)):
+        return _codes(ids, 0)
+    present = np.zeros(k, dtype=bool)
+    present[ids] = True
+    new = np.cumsum(present) - 1
+    return new[ids], int(new[-1]) + 1
 
 
 def _parents(table: SpanTable) -> np.ndarray:

@@ -2,9 +2,13 @@
 
 Shape (stable; scripts read it):
   {"traces": [{"trace_id", "name", "start_ns", "duration_ns", "spans", "nodes",
-               "critical_path": [...], "attribution": {category: ns}, "per_rank": {...}}],
+               "critical_path": [...], "attribution": {category: ns}, "per_rank": {...},
+               "straggler", "collectives": {op: {...}}, "pipeline", "unmatched",
+               "segments": {segment: ns}}],
+   "summary": {trace name: {"traces", "duration": {p50_ns, p95_ns, p99_ns, mean_ns, max_ns},
+                            "attribution": {category: {...}}, "segments": [{"segment", ...}]}},
    "clocks": {node_id: {"offset_ns", "drift_ppm", "error_bound_ns", "samples", ...}},
-   "dropped_spans": {node_id: n}, "rejected_spans": {reason: n}, ...}
+   "dropped_spans": {node_id: n}, "rejected_spans": {reason: n}, "unmatched", "budgets"}
 All times are ns on the reference timeline (the collector's clock); add
 `epoch_offset_ns` for Unix time. Attribution keys are DESIGN.md's vocabulary.
 """
@@ -15,6 +19,7 @@ import numpy as np
 
 from . import attribution, budgets, spantable
 from .align import Alignment, align, fit_models
+from .dag import dense
 from .matching import Matches, match
 from .spantable import SpanTable
 
@@ -34,8 +39,8 @@ def analyse_store(store, trace_ids: list[str] | None = None, progress=None) -> A
     say(f"loaded {len(table):,} spans in {len(table.trace_ids):,} traces from {len(table.nodes)} nodes; aligning clocks")
     models = fit_models(store)
     epoch = int(store.meta("epoch_offset_ns") or 0)
-    alignment = align(table, models, epoch)
     matches = match(table)
+    alignment = align(table, models, epoch, matches)
     return Analysed(table, alignment, matches)
 
 
@@ -97,6 +102,7 @@ def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribu
         "store": store.path,
         "epoch_offset_ns": a.alignment.epoch_offset_ns,
         "traces": traces,
+        "summary": kind_summaries(a.table, at, traces),
         "clocks": clocks_section(a.alignment.models),
         "dropped_spans": store.dropped_by_node(),
         "rejected_spans": store.rejects(),
@@ -106,7 +112,8 @@ def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribu
 
 
 def _by_trace(trace: np.ndarray, n_traces: int) -> tuple[np.ndarray, np.ndarray]:
-    """Order that groups entries by trace, and each trace's [bounds[t], bounds[t + 1]) in it."""
+    """Order that groups entries by trace (or any group index, index order within one), and
+    each group's [bounds[t], bounds[t + 1]) in it."""
     order = np.argsort(trace, kind="stable")
     return order, np.searchsorted(trace[order], np.arange(n_traces + 1))
 
@@ -241,3 +248,103 @@ def _collectives(at, out: list) -> None:
         entry["wait_ns"] += int(at.join_wait[j])
         entry["transfer_ns"] += int(at.join_transfer[j])
         entry["critical_path_ns"] += int(on_path[j])
+
+
+# -- traces of one kind -------------------------------------------------------------------------
+
+PERCENTILES = (50, 95, 99)
+
+
+def _stats(values: np.ndarray) -> dict:
+    """p50/p95/p99 (each an actual sample, as budgets measure them), mean and max, per column."""
+    q = np.percentile(values, PERCENTILES, axis=0, method="higher")
+    out = {f"p{p}_ns": q[i] for i, p in enumerate(PERCENTILES)}
+    out.update(mean_ns=values.mean(axis=0), max_ns=values.max(axis=0))
+    return out
+
+
+def _where(t: SpanTable) -> list[str]:
+    """Per node, the name its segments are summed under across traces: its role or service
+    (ranks of a job and a fleet's devices collapse into one), else its node id; ranks
+    without a role collapse into none."""
+    return [r.role or r.service_name or ("" if r.rank >= 0 else r.node_id) for r in t.resources]
+
+
+def segment_label(where: str, span: str | None, category: str) -> str:
+    """"cloud inference (compute)": where, which span, and what the time was."""
+    return " ".join(x for x in (where, span) if x) + f" ({category})"
+
+
+def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dict]) -> dict:
+    """Per trace name (traces of one kind, e.g. every "request"): the duration, each critical-path
+    category and each segment at p50/p95/p99 across its traces. A segment is the critical-path
+    time of one span in one category on one kind of node ("edge preprocess (compute)", "edge
+    infer (network.uplink)", "cloud queue (host.overhead)"), summed within a trace and 0 in the
+    traces whose path does not pass it (zero-length steps are no segment); segments are
+    listed in path order. Adds each trace's
+    segments (ns, in that order) to its entry in `traces` as "segments"."""
+    p, dag = at.paths, at.dag
+    if not traces:
+        return {}
+    index = {trace_id: i for i, trace_id in enumerate(t.trace_ids)}
+    by_index = {index[entry["trace_id"]]: entry for entry in traces}
+    kind_names = list(dict.fromkeys(entry["name"] for entry in traces))
+    kind_of = {name: k for k, name in enumerate(kind_names)}
+    kind = np.full(len(t.trace_ids), -1, dtype=np.int64)
+    kind[list(by_index)] = [kind_of[entry["name"]] for entry in by_index.values()]
+    trace_order, trace_bounds = _by_trace(kind, len(kind_names))     # kind -1 (no spans) sorts first
+    grouped = trace_order[trace_bounds[0]:]
+    position = np.full(len(kind), -1, dtype=np.int64)
+    position[grouped] = np.arange(trace_bounds[0], len(trace_order)) - trace_bounds[kind[grouped]]
+    seg_order, seg_bounds = _by_trace(kind[p.trace], len(kind_names))
+
+    where = _where(t)
+    row = at.segment_row
+    node = np.where(row >= 0, t.node[np.maximum(row, 0)], dag.node[p.dst]).astype(np.int64)
+    where_id = np.unique(where, return_inverse=True)[1].reshape(-1) if where else np.empty(0, np.int64)
+    span = np.where(row >= 0, t.name[np.maximum(row, 0)], -1).astype(np.int64)
+    key, _ = dense(where_id[node], span, at.segment_category)
+    length = p.end - p.start
+    offset = p.start - dag.trace_start[p.trace]
+    names = attribution.CATEGORIES + ("remote",)
+    out = {}
+    for k, name in enumerate(kind_names):
+        members = trace_order[trace_bounds[k]:trace_bounds[k + 1]]
+        sel = seg_order[seg_bounds[k]:seg_bounds[k + 1]]
+        sel = sel[length[sel] > 0]
+        keys, local = np.unique(key[sel], return_inverse=True)
+        n, m = len(members), len(keys)
+        cell = position[p.trace[sel]] * m + local.reshape(-1)
+        per_trace = np.bincount(cell, weights=length[sel], minlength=n * m).reshape(n, m).astype(np.int64)
+        first = np.full(n * m, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(first, cell, offset[sel])
+        present = (first < np.iinfo(np.int64).max).reshape(n, m)
+        mean_offset = np.where(present, first.reshape(n, m), 0).sum(axis=0) / np.maximum(present.sum(axis=0), 1)
+        order = np.argsort(mean_offset, kind="stable")       # path order
+        per_trace, present = per_trace[:, order], present[:, order]
+        example = sel[np.unique(local, return_index=True)[1]][order]     # one segment of each key
+        durations = dag.trace_end[members] - dag.trace_start[members]
+        stats = _stats(per_trace)
+        share = (per_trace / np.maximum(durations, 1)[:, None]).mean(axis=0)
+        segments = []
+        for j, s in enumerate(example.tolist()):
+            r = int(row[s])
+            w, category = where[node[s]], names[at.segment_category[s]]
+            span_name = t.names[t.name[r]] if r >= 0 else None
+            segments.append({"segment": segment_label(w, span_name, category), "node": w, "span": span_name,
+                             "category": category, "traces": int(present[:, j].sum()),
+                             **{stat: int(round(v[j])) for stat, v in stats.items()},
+                             "share": round(float(share[j]), 4)})
+        critical = at.critical[members]
+        by_category = _stats(critical)
+        out[name] = {
+            "traces": int(n),
+            "duration": {stat: int(round(v)) for stat, v in _stats(durations).items()},
+            "attribution": {c: {stat: int(round(v[i])) for stat, v in by_category.items()}
+                            for i, c in enumerate(names) if critical[:, i].any()},
+            "segments": segments}
+        labels = [segment["segment"] for segment in segments]
+        for i, tr in enumerate(members.tolist()):
+            by_index[tr]["segments"] = {label: v for label, v in zip(labels, per_trace[i].tolist()) if v}
+    return out
+

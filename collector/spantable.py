@@ -53,12 +53,18 @@ class SpanTable:
 
     def take(self, rows: np.ndarray) -> "SpanTable":
         """A table of the given rows (indices or boolean mask), same node and name tables."""
-        rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows)
+        rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, dtype=np.int64)
         cols = {f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), np.ndarray)}
-        remap = {int(old): new for new, old in enumerate(rows)}
-        extras = {remap[r]: x for r, x in self.extras.items() if r in remap}
-        return SpanTable(**cols, attributes=[self.attributes[i] for i in rows], extras=extras,
+        extras = {}
+        if self.extras:      # the few rows with extras, found by binary search (no map of every row)
+            order = np.argsort(rows, kind="stable")
+            old = np.fromiter(self.extras, dtype=np.int64, count=len(self.extras))
+            at = np.minimum(np.searchsorted(rows[order], old), max(len(rows) - 1, 0))
+            kept = (rows[order][at] == old) if len(rows) else np.zeros(len(old), dtype=bool)
+            extras = {int(order[a]): self.extras[int(r)] for r, a in zip(old[kept], at[kept])}
+        attrs = self.attributes
+        return SpanTable(**cols, attributes=[attrs[i] for i in rows.tolist()], extras=extras,
                          names=self.names, nodes=self.nodes, resources=self.resources,
                          trace_ids=self.trace_ids)
 

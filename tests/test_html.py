@@ -1,6 +1,7 @@
 """`crosstrace report --html`: the page opens in a real headless Chromium (Debian packages
 chromium and chromium-driver, driven with selenium) without console errors, fetches
-nothing, and shows one lane per node, the critical path, and working legend toggles."""
+nothing, and shows one lane per node, the critical path, working legend toggles, and the
+segments of each kind of trace at p50/p95/p99."""
 import os
 import shutil
 import subprocess
@@ -111,3 +112,6 @@ def test_report_command_writes_the_page(browser, rpc_store, tmp_path):
     assert sorted(node for node, _ in lanes(browser)) == ["frontend", "gateway", "model"]
     row = browser.find_element("css selector", "td.violated")
     assert row.text == "violated"
+    # The traces of one kind, summarised: every critical-path segment at p50/p95/p99.
+    segments = browser.find_elements("css selector", "table.kind tr")
+    assert len(segments) >= 3 and "(network.uplink)" in browser.find_element("css selector", "table.kind").text

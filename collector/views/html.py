@@ -4,7 +4,8 @@ nothing loaded from elsewhere).
 It shows: budget status; timelines of the slowest and of a typical (median) trace with
 one lane per node, spans stacked by nesting depth, collective/p2p/RPC spans split into
 their wait, transfer and network parts, and the critical path drawn over the lanes;
-stacked attribution bars per trace (critical path) and per rank (slowest trace).
+stacked attribution bars per trace (critical path) and per rank (slowest trace); per
+kind of trace (same root name), every critical-path segment at p50/p95/p99.
 Clicking a legend entry hides or shows that category.
 """
 import html
@@ -32,7 +33,7 @@ table{border-collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #dd
 td.num{text-align:right;font-variant-numeric:tabular-nums}
 .ok{color:#2a7d2a;font-weight:600}.violated,.no_data{color:#c0392b;font-weight:600}
 .legend span{display:inline-block;margin:2px 10px 2px 0;cursor:pointer;user-select:none}
-.legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
+.legend i,table.kind i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
 .legend .off{opacity:.35}.hidden{display:none}
 svg text{font:11px system-ui,sans-serif}.lane-label{font-weight:600}
 .critical{fill:none;stroke:#111;stroke-width:2.5}
@@ -193,6 +194,24 @@ def _rank_bars(trace: dict) -> str:
             f"{''.join(rows)}</table>")
 
 
+def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
+    """Per kind of trace (root name): each critical-path segment at p50/p95/p99, in path order."""
+    out = []
+    for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:limit]:
+        d = k["duration"]
+        keep = {id(s) for s in sorted(k["segments"], key=lambda s: -s["mean_ns"])[:rows]}
+        cells = "".join(
+            f'<tr><td><i style="background:{COLOURS[seg["category"]]}"></i> {html.escape(seg["segment"])}</td>'
+            + "".join(f'<td class="num">{fmt_ns(seg[f"{q}_ns"])}</td>' for q in ("p50", "p95", "p99", "mean"))
+            + f'<td class="num">{seg["share"]:.0%}</td></tr>'
+            for seg in k["segments"] if id(seg) in keep)
+        out.append(f'<h3>{html.escape(name)}: {k["traces"]} traces, p50 {fmt_ns(d["p50_ns"])}, '
+                   f'p95 {fmt_ns(d["p95_ns"])}, p99 {fmt_ns(d["p99_ns"])}</h3>'
+                   f'<table class="kind"><tr><th>critical-path segment (path order)</th><th>p50</th><th>p95</th>'
+                   f'<th>p99</th><th>mean</th><th>share</th></tr>{cells}</table>')
+    return "".join(out)
+
+
 def _trace_section(title: str, trace: dict, analysed, at) -> str:
     index = analysed.table.trace_ids.index(trace["trace_id"])
     s = trace.get("straggler")
@@ -221,6 +240,8 @@ def render(report: dict, analysed, attributed) -> str:
         if typical is not slowest:
             body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed))
         body += ["<h2>traces: where the critical path goes</h2>", _trace_bars(traces)]
+        if report.get("summary"):
+            body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"])]
     unmatched = {k: v for k, v in report.get("unmatched", {}).items() if v}
     if unmatched:
         body.append("<p>Spans whose partner is missing: "

@@ -29,6 +29,7 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
                           str(t["nodes"]), top)
         console.print(table)
         render_slowest(max(traces, key=lambda t: t["duration_ns"]), console)
+        render_kinds(report.get("summary", {}), traces, console, limit)
     if report.get("budgets"):
         render_budgets(report["budgets"], len(traces), console)
     clocks = Table(title="clocks (offset = node clock - reference)", title_justify="left")
@@ -70,6 +71,69 @@ def render_slowest(trace: dict, console: Console, limit: int = 12) -> None:
         console.print(f"pipeline {p['schedule']}: bubble {p['bubble_fraction']:.1%} measured, "
                       f"{p['ideal_bubble_fraction']:.1%} ideal ({p['ranks']} ranks, {p['microbatches']} microbatches, "
                       f"{p['stages_per_rank']} stage(s) per rank)")
+
+
+# Category names short enough for a column header.
+SHORT = {"network.uplink": "uplink", "network.downlink": "downlink", "host.overhead": "overhead",
+         "collective.wait": "coll.wait", "collective.transfer": "coll.xfer", "p2p.transfer": "p2p.xfer",
+         "clock.uncertainty": "clock unc."}
+
+
+def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int = 10, kinds: int = 5,
+                 rows: int = 14) -> None:
+    """Per kind of trace (same root name): where its critical path goes at p50/p95/p99, by
+    segment in path order and by category, then the slowest traces segment by segment."""
+    for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:kinds]:
+        d = k["duration"]
+        table = Table(title=f"{name!r}: {k['traces']} traces, p50 {fmt_ns(d['p50_ns'])}, p95 {fmt_ns(d['p95_ns'])}, "
+                            f"p99 {fmt_ns(d['p99_ns'])}", title_justify="left")
+        table.add_column("critical path: segment (path order), category")
+        for col in ("p50", "p95", "p99", "mean", "share", "on path"):
+            table.add_column(col, justify="right", no_wrap=True)
+        shown = _largest(k["segments"], rows)
+        for seg in shown:
+            table.add_row(seg["segment"], *_stat_cells(seg), f"{seg['share']:.0%}", f"{seg['traces']}/{k['traces']}")
+        if len(shown) < len(k["segments"]):
+            table.add_row(f"... {len(k['segments']) - len(shown)} smaller segments in the JSON report", *[""] * 6)
+        table.add_section()
+        for category, stats in sorted(k["attribution"].items(), key=lambda kv: -kv[1]["mean_ns"]):
+            table.add_row(f"[italic]{category}[/]", *_stat_cells(stats), "", "")
+        console.print(table)
+        if k["traces"] > 1:
+            _per_trace(name, k, traces, console, limit)
+
+
+def _largest(segments: list[dict], n: int) -> list[dict]:
+    """The n segments with the largest mean, still in path order."""
+    keep = {id(s) for s in sorted(segments, key=lambda s: -s["mean_ns"])[:n]}
+    return [s for s in segments if id(s) in keep]
+
+
+def _stat_cells(stats: dict) -> list[str]:
+    return [fmt_ns(stats[key]) for key in ("p50_ns", "p95_ns", "p99_ns", "mean_ns")]
+
+
+def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: int) -> None:
+    """The slowest traces of a kind, one column per segment (as many as the console fits)."""
+    fits = max(1, (console.width - 32) // 12)
+    shown = _largest(k["segments"], fits if len(k["segments"]) <= fits else fits - 1)
+    other = len(shown) < len(k["segments"])
+    table = Table(title=f"slowest {name!r} traces: critical path per segment", title_justify="left")
+    table.add_column("trace", no_wrap=True)
+    table.add_column("duration", justify="right", no_wrap=True)
+    for seg in shown:
+        header = "\n".join(x for x in (seg["node"], seg["span"], SHORT.get(seg["category"], seg["category"])) if x)
+        table.add_column(header, justify="right", overflow="fold")
+    if other:
+        table.add_column("other", justify="right")
+    mine = sorted((t for t in traces if t["name"] == name), key=lambda t: -t["duration_ns"])[:limit]
+    for t in mine:
+        values = t.get("segments", {})
+        cells = [fmt_ns(values.get(seg["segment"], 0)) for seg in shown]
+        if other:
+            cells.append(fmt_ns(sum(values.values()) - sum(values.get(seg["segment"], 0) for seg in shown)))
+        table.add_row(t["trace_id"][:16], fmt_ns(t["duration_ns"]), *cells)
+    console.print(table)
 
 
 def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
