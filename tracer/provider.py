@@ -150,10 +150,11 @@ class ScopedSpan(Span):
             return self.end()  # warns about the double end
         # Span.end(), inlined: this is the hot path of every `with` span.
         sink = self._sink
-        self.end_ns = sink.now()
+        self.end_ns = end = sink.now()
         queue = sink.queue
         if len(queue) < sink.max_queue:
-            queue.append(self)
+            queue.append((self.trace_id, self.span_id, self.parent_id, self.start, end, self.kind, self.thread,
+                          self.name, self.attributes, self.extras))
             if len(queue) == sink.wake_at:
                 sink.wake()
         else:
