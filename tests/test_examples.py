@@ -81,10 +81,8 @@ def test_training_demos_find_what_they_inject(collector):
     finally:
         workers.stop_all()
     report, _, _ = analyse_report(collector.store, quiet=True)
-    steps = [t for t in report["traces"] if t["name"] == "step"]
-    assert len(steps) == ddp["steps"] + pipeline["steps"]
-    check_ddp_demo(ddp, [t for t in steps if not t.get("pipeline")])
-    check_pipeline_demo(pipeline, [t for t in steps if t.get("pipeline")])
+    check_ddp_demo(ddp, [t for t in report["traces"] if t["name"] == "ddp-step"])
+    check_pipeline_demo(pipeline, [t for t in report["traces"] if t["name"] == "pipeline-step"])
     assert set(report["clocks"]) == {*(f"trainer-{rank}" for rank in range(ddp["ranks"])),
                                      *(f"stage-{stage}" for stage in range(pipeline["stages"]))}
 

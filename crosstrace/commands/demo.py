@@ -4,6 +4,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from ..collector.views import terminal
 from ..demo import WORKLOADS
 
 
@@ -29,7 +30,6 @@ def _workloads(text: str) -> list[str]:
 
 
 def run(args) -> int:
-    from ..collector.views import terminal
     from ..demo import run as run_demo
 
     console = Console()
@@ -48,8 +48,46 @@ def run(args) -> int:
                       f"{clock['drift_ppm']:+.1f} ppm", _drift(got),
                       terminal.fmt_ns(got["error_bound_ns"]))
     console.print(table)
-    console.print(f"report: {report['demo']['report_json']}")
+    findings = Table(title="workloads: what was injected vs. what the analysis found", title_justify="left")
+    for col in ("workload", "injected", "found"):
+        findings.add_column(col)
+    for row in workload_findings(report):
+        findings.add_row(*row)
+    console.print(findings)
+    console.print(f"report: {report['demo']['report_json']}   (also: crosstrace report --store "
+                  f"{report['store']} --html report.html; crosstrace export --perfetto trace.json)")
     return 0
+
+
+def workload_findings(report: dict) -> list[tuple[str, str, str]]:
+    """One row per workload: its injected fault or delay next to the analysis' finding."""
+    injected, summary, rows = report["demo"]["workloads"], report.get("summary", {}), []
+    traces = report["traces"]
+    if "edge" in injected:
+        e = injected["edge"]
+        legs = summary.get("edge-request", {}).get("attribution", {})
+        found = ", ".join(f"{leg} p50 {terminal.fmt_ns(legs[leg]['p50_ns'])}" for leg in
+                          ("network.uplink", "network.downlink") if leg in legs)
+        rows.append(("edge", f"link {e['up_ms']} ms up, {e['down_ms']} ms down (±{e['jitter_ms']} ms); "
+                             f"edge clock {e['edge_offset_ns'] / 1e6:+.0f} ms", found or "no edge requests"))
+    if "ddp" in injected:
+        d = injected["ddp"]
+        steps = [t for t in traces if t["name"] == "ddp-step" and t["straggler"]]
+        named = [t["straggler"]["node"] for t in steps]
+        top = max(set(named), key=named.count) if named else None
+        waits = sorted(t["per_rank"][n]["attribution"].get("collective.wait", 0) for t in steps
+                       for n in t["per_rank"] if n != top)
+        found = (f"straggler {top} in {named.count(top)} of {len(steps)} steps; the other ranks' "
+                 f"collective.wait median {terminal.fmt_ns(waits[len(waits) // 2])}" if top else "no straggler")
+        rows.append(("ddp", f"{d['straggler_node']} sleeps {d['straggle_ms']} ms before backward", found))
+    if "pipeline" in injected:
+        p = injected["pipeline"]
+        fractions = sorted(t["pipeline"]["bubble_fraction"] for t in traces
+                           if t["name"] == "pipeline-step" and t.get("pipeline"))
+        found = f"bubble fraction median {fractions[len(fractions) // 2]:.2f}" if fractions else "no pipeline steps"
+        rows.append(("pipeline", f"{p['schedule']}, {p['stages']} stages, {p['microbatches']} microbatches: "
+                                 f"ideal bubble {p['ideal_bubble_fraction']:.2f}", found))
+    return rows
 
 
 def _drift(clock: dict) -> str:

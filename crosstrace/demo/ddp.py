@@ -57,7 +57,7 @@ def main() -> None:
     straggle_s = args.straggle_ms / 1000 if rank == args.straggler_rank else 0.0
     for k in range(args.steps):
         x, y = torch.randn(64, 256, generator=data), torch.randint(0, 10, (64,), generator=data)
-        with crosstrace.step(k):
+        with crosstrace.step(k, name="ddp-step"):
             with tracer.start_as_current_span("forward", kind=Kind.COMPUTE):
                 loss = nn.functional.cross_entropy(model(x), y)
                 time.sleep(straggle_s)  # the injected straggler: a slow forward pass

@@ -78,7 +78,7 @@ def main() -> None:
     for k in range(args.steps):
         x, y = torch.randn(8 * args.microbatches, 64, generator=data), torch.randn(8 * args.microbatches, 64,
                                                                                   generator=data)
-        with crosstrace.step(k):
+        with crosstrace.step(k, name="pipeline-step"):
             opt.zero_grad()
             if rank == 0:
                 schedule.step(x)
