@@ -39,8 +39,10 @@ def cloud(listen: str) -> None:
 
     def model_worker() -> None:
         while True:
-            request, ctx, queued, answer = waiting.get()
-            queued.end()
+            request, ctx, enqueued, answer = waiting.get()
+            # Recorded here, on the worker's thread, so that the wait and the inference follow each
+            # other in its program order (and on the critical path).
+            tracer.start_span("queue", context=ctx, start_time=enqueued).end()
             with tracer.start_as_current_span("inference", context=ctx, kind=crosstrace.Kind.COMPUTE):
                 with torch.inference_mode():
                     logits = model(torch.frombuffer(bytearray(request), dtype=torch.float32).reshape(-1, 768))
@@ -49,9 +51,8 @@ def cloud(listen: str) -> None:
     threading.Thread(target=model_worker, daemon=True).start()
 
     def handle(request, context):
-        queued = tracer.start_span("queue")
         answer = concurrent.futures.Future()
-        waiting.put((request, context_api.get_current(), queued, answer))
+        waiting.put((request, context_api.get_current(), time.time_ns(), answer))
         return answer.result(timeout=30)
 
     serve(listen, handle)
