@@ -22,6 +22,7 @@ from .align import Alignment, align, fit_models
 from .dag import dense
 from .matching import Matches, match
 from .spantable import SpanTable
+from ..proto.semconv import Kind
 
 
 @dataclasses.dataclass
@@ -202,6 +203,7 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
     """Per trace: the node whose late entries made others wait longest (its delay cost), the
     span it was busy with, the cost per node, and the worst single waits."""
     w, t, m = at.waits, labels.t, at.matches
+    delay = _delay_costs(at.dag, t, len(out), len(labels.nodes))
     order, bounds = _by_trace(w.trace, len(out))
     for tr in range(len(out)):
         sel = order[bounds[tr]:bounds[tr + 1]]
@@ -209,7 +211,7 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
             continue
         sel = sel[np.argsort(-w.cost_ns[sel], kind="stable")]
         late_node = t.node[w.late_row[sel]]
-        cost = np.bincount(late_node, weights=w.cost_ns[sel], minlength=len(labels.nodes))
+        cost = delay[tr]
         worst = int(np.argmax(cost))
         own = sel[late_node == worst][0]     # its costliest wait
         waits = []
@@ -228,6 +230,51 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
             **labels.node(worst), **labels.span(cause if cause >= 0 else int(w.late_row[own])),
             "delay_cost_ns": int(cost[worst]),
             "by_node": {labels.nodes[n]: int(c) for n, c in enumerate(cost.tolist()) if c > 0}, "waits": waits}
+
+
+def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
+    """(traces, nodes): the waiting each node caused others, Scalasca's delay cost, with each
+    waiting rank's instants counted once. A late rank holds up several collectives at once
+    (DDP's bucket all-reduces are all in flight together): summing their waits would count
+    the same wall time once per bucket. So per (trace, late node, waiting node) the union of
+    the wait intervals, summed over the waiting nodes. This is the time the others spent in
+    collectives held up by the late node, including any they overlapped with compute of
+    their own (DDP's buckets wait while backward goes on), so it can exceed their per-rank
+    collective.wait, which counts each instant in one category only."""
+    start, end = dag.time[0:2 * dag.n_rows:2], dag.time[1:2 * dag.n_rows:2]
+    members = np.flatnonzero((dag.join >= 0) & dag.waits_for_join)
+    j = dag.join[members]
+    p2p = np.flatnonzero(dag.partner >= 0)
+    p2p = p2p[np.isin(t.kind[p2p], (Kind.SEND, Kind.RECV))]
+    waiter = np.concatenate([members, p2p])
+    late = np.concatenate([dag.join_last[j], dag.partner[p2p]])
+    wait_end = np.concatenate([np.minimum(dag.join_time[j], end[members]), np.minimum(start[dag.partner[p2p]], end[p2p])])
+    wait_start = start[waiter]
+    keep = (wait_end > wait_start) & (t.node[late] != t.node[waiter])
+    waiter, late, wait_start, wait_end = waiter[keep], late[keep], wait_start[keep], wait_end[keep]
+    trace = t.trace[waiter].astype(np.int64)
+    key = (trace * n_nodes + t.node[late]) * n_nodes + t.node[waiter]
+    out = np.zeros(n_traces * n_nodes, dtype=np.int64)
+    if len(key):
+        union = _union_lengths(key, wait_start, wait_end)
+        keys = np.unique(key)
+        np.add.at(out, keys // n_nodes, union)
+    return out.reshape(n_traces, n_nodes)
+
+
+def _union_lengths(key: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per distinct key (in np.unique order): the length of the union of its intervals."""
+    order = np.lexsort((start, key))
+    key, start, end = key[order], start[order], end[order]
+    first = np.r_[True, key[1:] != key[:-1]]
+    group = np.cumsum(first) - 1
+    base = start[first][group]                       # times from each group's first start: small
+    span = int((end - base).max()) + 1
+    reach = np.maximum.accumulate(group * span + (end - base)) - group * span   # furthest end so far
+    covered_before = np.r_[0, reach[:-1]]
+    covered_before[first] = 0
+    new = np.clip(end - base - np.maximum(start - base, covered_before), 0, None)
+    return np.bincount(group, weights=new).astype(np.int64)
 
 
 def _collectives(at, out: list) -> None:
