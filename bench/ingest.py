@@ -26,7 +26,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 
 import grpc
 

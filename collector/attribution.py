@@ -164,7 +164,6 @@ def _label_path(dag: Dag, paths: Paths, kind: np.ndarray, pipeline_row: np.ndarr
 def pieces(table: SpanTable, dag: Dag, start, end, error):
     """Per-rank pieces (row, start, end, category): each span split where its partner or
     join entered. Untyped spans add none: their time is the gap category."""
-    n = len(table)
     kind = table.kind
     rows, s, e, cat, err = [], [], [], [], []
 

@@ -12,15 +12,16 @@ instrumentation. Each step's trace id is derived from the step number on every r
 crosstrace.step does), through a remote parent of that id.
 """
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from .conftest import tracer_env
 from crosstrace.commands.report import analyse_report
+from crosstrace.launch import free_port
+
+from .conftest import tracer_env
 
 pytest.importorskip("torch")
 
@@ -117,12 +118,6 @@ for k, (name, actions) in enumerate(SCHEDULES.items()):
         wait_sends()
 finish()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(collector, code: str, world: int, extra_args: tuple, timeout_s: float = 120) -> list[str]:

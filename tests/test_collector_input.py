@@ -1,7 +1,6 @@
 """The collector against a client's garbage: clear gRPC statuses, bad spans rejected one by
 one and counted by reason, good spans stored, other clients unaffected. Raw batches go
 over a real gRPC stream to a real collector process."""
-import os
 import struct
 import time
 

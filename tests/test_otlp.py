@@ -4,12 +4,9 @@ reporting into a crosstrace collector (same port as crosstrace's own service), a
 import concurrent.futures
 import subprocess
 import sys
-import time
 
 import grpc
-import numpy as np
 import pytest
-from opentelemetry import trace as trace_api
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc

@@ -13,7 +13,7 @@ from crosstrace.collector.report import Analysed
 from crosstrace.collector.views import perfetto
 from crosstrace.proto.semconv import Kind
 
-from .test_analysis_units import MS, Spans, build, coll, p2p, straggler_step
+from .test_analysis_units import MS, Spans, build, p2p, straggler_step
 from .test_budget import rpc_store  # noqa: F401  (a fixture: a real store of the RPC-chain demo)
 
 

@@ -8,12 +8,12 @@ import numpy as np
 
 from crosstrace.collector.align import fit_models
 from crosstrace.collector.store import Store
-from crosstrace.launch import CollectorProcess, wait_until
+from crosstrace.launch import CollectorProcess, wait_until, free_port
 from crosstrace.proto import pb
 
 from .conftest import run_python
 from .test_clock_loopback import injected_offset, span_starts
-from .test_spool import free_port, stored_indices
+from .test_spool import stored_indices
 
 DEVICE = """
 import sys, time, crosstrace

@@ -5,7 +5,6 @@ one left; a tracer killed mid-stream and a collector killed mid-run lose no acke
 store none twice."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import time
 
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
-from crosstrace.launch import CollectorProcess
+from crosstrace.launch import CollectorProcess, free_port
 
 EDGE = """
 import os, sys, time, crosstrace
@@ -39,12 +38,6 @@ else:
     p.shutdown(timeout_millis=500)            # gone before the collector is back
     print("exited", flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(code: str, env: dict, *args) -> subprocess.Popen:

@@ -8,7 +8,6 @@ Also run_ranks() and spans(), shared with the other torch tests.
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
+from crosstrace.launch import free_port
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind, Status
 from crosstrace.tracer.step import step_trace_id
@@ -25,12 +25,6 @@ from crosstrace.tracer.step import step_trace_id
 from .conftest import run_python, tracer_env
 
 pytest.importorskip("torch.distributed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(code: str, world: int, collector, tmp_path, timeout_s: float = 120, **options) -> list[dict]:

@@ -106,7 +106,7 @@ def _timeline(trace: dict, index: int, analysed, at) -> str:
     def x_of(ns):
         return LABEL + (ns - t0) * scale
 
-    parts = [f'<text x="4" y="16" class="lane-label">critical path</text>']
+    parts = ['<text x="4" y="16" class="lane-label">critical path</text>']
     for k in nodes:
         r = t.resources[k]
         label = t.nodes[k] + (f" (rank {r.rank})" if r.rank >= 0 else "")

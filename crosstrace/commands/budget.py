@@ -1,7 +1,6 @@
 """`crosstrace budget check`: latency budgets as a CI gate (exit 1 when one is violated)."""
 import argparse
 import json
-import sys
 
 EXAMPLE = """\
 budget file (TOML), one [[budget]] table per limit:

@@ -2,12 +2,11 @@
 environment and simulated clock, reporting to the demo's collector."""
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
 
-from ..launch import CollectorProcess
+from ..launch import CollectorProcess, free_port
 
 
 @dataclasses.dataclass
@@ -81,9 +80,3 @@ class Workers:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
