@@ -182,10 +182,7 @@ class Collector:
             raise OSError(f"cannot listen on {listen}: {exc}") from None
         host = listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
-        # The UDP responder answers from the real monotonic clock: with another clock (a
-        # relay's simulated one) its answers would contradict the gRPC exchange's, so
-        # tracers then use the gRPC exchange alone.
-        self.udp_clock = UdpClockResponder(host, self.port) if now is time.monotonic_ns else None
+        self.udp_clock = UdpClockResponder(host, self.port, now)   # the same clock as the gRPC exchange
         self._stopped = threading.Event()
 
     def start(self) -> "Collector":

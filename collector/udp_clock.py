@@ -17,7 +17,10 @@ log = logging.getLogger("crosstrace.collector")
 
 
 class UdpClockResponder:
-    def __init__(self, host: str, port: int):
+    """Answers on the collector's clock `now` (a relay's own, simulated in tests and demos)."""
+
+    def __init__(self, host: str, port: int, now=time.monotonic_ns):
+        self.now = now
         self.ignored = 0            # packets that were not probes
         self.answered = 0
         self.sock = None
@@ -57,7 +60,7 @@ class UdpClockResponder:
         self.sock = None
 
     def _run(self) -> None:
-        sock, monotonic = self.sock, time.monotonic_ns
+        sock, monotonic = self.sock, self.now
         while not self._stop.is_set():
             try:
                 data, address, rx_realtime = udp.recv(sock)

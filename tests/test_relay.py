@@ -70,7 +70,8 @@ def test_devices_through_a_gateway_arrive_once_with_composed_clocks(tmp_path):
     finally:
         store.close()
     # The devices' exchanges were answered by the gateway: they go up naming it.
-    assert {(n, s, p) for n, s, p in peers if n in DEVICES} == {(n, pb.GRPC_EXCHANGE, "gateway") for n in DEVICES}
+    assert {(n, s, p) for n, s, p in peers if n in DEVICES} == {
+        (n, source, "gateway") for n in DEVICES for source in (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE)}
     assert models["gateway"].sources and all(s in ("udp", "grpc") for s in models["gateway"].sources)
     relay_error = models["gateway"].error_ns
     for node, (offset, drift) in DEVICES.items():
