@@ -187,7 +187,7 @@ def _rank_bars(trace: dict) -> str:
     rows = []
     for node, v in ranks:
         values = {**v["attribution"], "remote": v.get("remote_ns", 0)}
-        rows.append(f'<tr><td>{html.escape(node)}</td><td class="num">{v["rank"]}</td>'
+        rows.append(f'<tr><td>{html.escape(node)}</td><td class="num">{v["rank"] if v["rank"] >= 0 else "-"}</td>'
                     f'<td class="num">{fmt_ns(v["window_ns"])}</td>'
                     f'<td>{_bar(values, longest, 600 * v["window_ns"] / max(longest, 1))}</td></tr>')
     return ("<table><tr><th>node</th><th>rank</th><th>window</th><th>time by category</th></tr>"
@@ -217,7 +217,8 @@ def _trace_section(title: str, trace: dict, analysed, at) -> str:
     s = trace.get("straggler")
     straggler = ""
     if s:
-        straggler = (f"<p>Straggler: <b>{html.escape(s['node'])}</b> (rank {s['rank']}), busy in "
+        rank = f" (rank {s['rank']})" if s["rank"] >= 0 else ""
+        straggler = (f"<p>Straggler: <b>{html.escape(s['node'])}</b>{rank}, busy in "
                      f"<b>{html.escape(str(s['span']))}</b>, made others wait {fmt_ns(s['delay_cost_ns'])} in all.</p>")
     pipe = trace.get("pipeline")
     if pipe:

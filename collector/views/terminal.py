@@ -64,7 +64,8 @@ def render_slowest(trace: dict, console: Console, limit: int = 12) -> None:
     console.print(path)
     s = trace.get("straggler")
     if s:
-        console.print(f"straggler: {s['node']} (rank {s['rank']}), busy in {s['span']!r}, made others wait "
+        rank = f" (rank {s['rank']})" if s["rank"] >= 0 else ""
+        console.print(f"straggler: {s['node']}{rank}, busy in {s['span']!r}, made others wait "
                       f"{fmt_ns(s['delay_cost_ns'])} in all")
     p = trace.get("pipeline")
     if p:
