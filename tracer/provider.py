@@ -53,6 +53,9 @@ def _new_id(bits: int) -> int:
 
 
 _INTERNAL = trace_api.SpanKind.INTERNAL
+# SpanKind members are singletons; keyed by id() they are found without Enum.__hash__,
+# which is Python code and costs more than the rest of the lookup.
+_OTEL_KIND_BY_ID = {id(kind): code for kind, code in OTEL_KIND.items()}
 
 
 class Tracer(trace_api.Tracer):
@@ -98,7 +101,7 @@ class Tracer(trace_api.Tracer):
         if kind is _INTERNAL:
             code = 0
         else:
-            code = OTEL_KIND.get(kind)
+            code = _OTEL_KIND_BY_ID.get(id(kind))
             if code is None:
                 code = int(kind)
         if attributes:
@@ -125,6 +128,23 @@ class Tracer(trace_api.Tracer):
         span.thread = _intern_thread(thread, thread)
         span.start = self._now() if start_time is None else self._queue.clock.from_epoch_ns(start_time)
         return span
+
+
+def current_context() -> Context:
+    """The current OpenTelemetry context (one ContextVar.get)."""
+    return _get_context()
+
+
+def attach_span(span, parent: Context) -> object:
+    """Make `span` current on top of the context `parent`: one Context and one ContextVar.set
+    (what ScopedSpan does inline). Returns the token for detach()."""
+    ctx = Context(parent)
+    dict.__setitem__(ctx, _SPAN_KEY, span)
+    return _attach(ctx)
+
+
+def detach(token) -> None:
+    _detach(token)
 
 
 class ScopedSpan(Span):

@@ -151,6 +151,20 @@ class Span:
 trace_api.Span.register(Span)
 
 
+class RemoteParent(Span):
+    """A caller's span known only by its ids (from a traceparent header): the parent of a
+    server span, without building an OpenTelemetry SpanContext on every call. It is never
+    current, recorded or exported."""
+
+    __slots__ = ()
+
+    def __init__(self, trace_id: int, span_id: int):
+        self.trace_id, self.span_id, self.extras, self.end_ns = trace_id, span_id, None, 1
+
+    def get_span_context(self) -> trace_api.SpanContext:
+        return trace_api.SpanContext(self.trace_id, self.span_id, True, _SAMPLED, _DEFAULT_TRACE_STATE)
+
+
 class SpanExtras:
     __slots__ = ("status", "status_message", "events", "links", "trace_state")
 

@@ -27,18 +27,19 @@ import re
 from urllib.parse import quote
 
 import grpc
-from opentelemetry import baggage as baggage_api
-from opentelemetry import context as context_api
+from opentelemetry.baggage import _BAGGAGE_KEY
 from opentelemetry import propagate
 from opentelemetry import trace as trace_api
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context.context import Context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
-from ..span import Span
+from ..provider import attach_span, current_context, detach
+from ..span import RemoteParent, Span
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -131,7 +132,8 @@ def _default_textmap() -> bool:
 
 
 def _inject(span, metadata: list) -> None:
-    if isinstance(span, Span) and not span.trace_state and _default_textmap() and not baggage_api.get_all():
+    if (isinstance(span, Span) and span.extras is None and _default_textmap()
+            and not current_context().get(_BAGGAGE_KEY)):
         metadata.append(("traceparent", f"00-{span.trace_id:032x}-{span.span_id:016x}-01"))
         return
     carrier: dict[str, str] = {}
@@ -139,18 +141,27 @@ def _inject(span, metadata: list) -> None:
     metadata.extend(carrier.items())
 
 
+def _traceparent(carrier: dict) -> tuple[int, int, int] | None:
+    """(trace id, span id, flags) of a lone, valid traceparent under the default propagator;
+    None when there is none or the generic propagator has to read the carrier."""
+    if not _default_textmap() or "tracestate" in carrier or "baggage" in carrier:
+        return None
+    header = carrier.get("traceparent")
+    match = _TRACEPARENT.fullmatch(header) if isinstance(header, str) else None
+    if match is None:
+        return None
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    return (trace_id, span_id, int(match[3], 16)) if trace_id and span_id else None
+
+
 def _extract(carrier: dict) -> Context:
-    if _default_textmap() and "tracestate" not in carrier and "baggage" not in carrier:
-        header = carrier.get("traceparent")
-        if header is None:
-            return Context()
-        match = _TRACEPARENT.fullmatch(header) if isinstance(header, str) else None
-        if match is not None:
-            trace_id, span_id = int(match[1], 16), int(match[2], 16)
-            if trace_id and span_id:
-                parent = trace_api.SpanContext(trace_id, span_id, is_remote=True,
-                                               trace_flags=trace_api.TraceFlags(int(match[3], 16)))
-                return trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent), Context())
+    ids = _traceparent(carrier)
+    if ids is not None:
+        trace_id, span_id, flags = ids
+        parent = trace_api.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace_api.TraceFlags(flags))
+        return Context({_SPAN_KEY: trace_api.NonRecordingSpan(parent)})
+    if "traceparent" not in carrier and _default_textmap() and "baggage" not in carrier:
+        return Context()
     return propagate.extract(carrier)
 
 
@@ -176,10 +187,11 @@ def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
             if key == CLOCK_KEY:
                 b.add_sample((t1, t4, value))   # parsed by the exporter thread (clock_probe.piggyback_sample)
                 break
-    if code is None:
-        code = grpc.StatusCode.UNKNOWN
-    span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
-    if code is not _OK:
+    if code is _OK:
+        span.set_attribute(sc.RPC_GRPC_STATUS, 0)
+    else:
+        code = code or grpc.StatusCode.UNKNOWN
+        span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
         span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
     span.end()
 
@@ -315,18 +327,22 @@ class _ServerCall:
                 carrier[key] = value
         self.t1 = t1 if b.now is not None else None
         self.t2 = t2
-        self.parent = _extract(carrier)
+        ids = _traceparent(carrier) if b.now is not None else None   # b.now: crosstrace's own tracer
+        if ids is not None and ids[2] & 1:
+            self.parent = Context({_SPAN_KEY: RemoteParent(ids[0], ids[1])})
+        else:
+            self.parent = _extract(carrier)
         name, attributes = _method_info(method)
         self.span = b.tracer.start_span(name, context=self.parent, kind=_SERVER, attributes=attributes)
         if t2 is not None and isinstance(self.span, Span):
             self.span.start = t2   # the call arrived at t2; the handler may start later
 
     def enter(self):
-        return context_api.attach(trace_api.set_span_in_context(self.span, self.parent))
+        return attach_span(self.span, self.parent)
 
     @staticmethod
     def leave(token) -> None:
-        context_api.detach(token)
+        detach(token)
 
     def finish(self, context, exc: BaseException | None) -> None:
         """Answer the clock trailer, set the status code and end the span."""
@@ -339,13 +355,16 @@ class _ServerCall:
             except Exception as err:  # never fail the call over a clock sample
                 log.debug("crosstrace: could not set the clock trailer: %r", err)
         code = _server_code(context, exc)
-        span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
-        crashed = exc is not None and code is grpc.StatusCode.UNKNOWN   # not an abort: an exception
-        if crashed:
-            span.record_exception(exc)
-        if code in _SERVER_ERRORS:
-            details = f"{type(exc).__name__}: {exc}" if crashed else _details(context)
-            span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
+        if code is _OK:   # the common case, without the enum's (Python-level) hash and value
+            span.set_attribute(sc.RPC_GRPC_STATUS, 0)
+        else:
+            span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
+            crashed = exc is not None and code is grpc.StatusCode.UNKNOWN   # not an abort: an exception
+            if crashed:
+                span.record_exception(exc)
+            if code in _SERVER_ERRORS:
+                details = f"{type(exc).__name__}: {exc}" if crashed else _details(context)
+                span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
         span.end()
 
 
