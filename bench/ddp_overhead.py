@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -90,12 +89,13 @@ def worker(args) -> None:
         print(json.dumps({"times": times, "flushed": flushed, "dropped": provider.dropped_spans}))
 
 
-def step_cost_us(n: int = 20000) -> dict:
-    """crosstrace.step() itself, sampled and not, with three child spans each (no torch)."""
+def step_cost_us(endpoint: str, n: int = 20000) -> dict:
+    """crosstrace.step() itself, sampled and not, with three child spans each (no torch),
+    exported to the collector at `endpoint`."""
     import crosstrace
     from opentelemetry import trace
 
-    provider = crosstrace.init(disabled=True, max_queue=10 * n)
+    provider = crosstrace.init(endpoint=endpoint, node_id="bench-step", max_queue=10 * n)
     tracer = trace.get_tracer("bench")
     out = {}
     for label, every in (("sampled", 1), ("unsampled", 2)):
@@ -106,7 +106,7 @@ def step_cost_us(n: int = 20000) -> dict:
                     with tracer.start_as_current_span(name):
                         pass
         out[label] = (time.perf_counter() - t0) / n * 1e6
-        provider._queue.queue.clear()
+    provider.shutdown()
     return out
 
 
@@ -121,11 +121,9 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from crosstrace.launch import CollectorProcess
+    from crosstrace.launch import CollectorProcess, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp, CollectorProcess(f"{tmp}/bench.db") as collector:
         procs = []
         for rank in range(args.world):
@@ -138,6 +136,7 @@ def main() -> None:
         out, _ = procs[0].communicate(timeout=1800)
         for proc in procs[1:]:
             proc.wait(120)
+        cost = step_cost_us(collector.address)
     if procs[0].returncode != 0 or not out.strip():
         sys.exit(f"rank 0 failed ({procs[0].returncode})")
     result = json.loads(out.strip().splitlines()[-1])
@@ -160,7 +159,6 @@ def main() -> None:
     print(f"ratio torch's own Python allreduce_hook, untraced / untraced: {ratio('python hook'):.4f}"
           "   (what any Python comm hook costs here, for reference)")
     print(f"all spans acked by the collector: {result['flushed']}, dropped: {result['dropped']}")
-    cost = step_cost_us()
     print(f"crosstrace.step() with 3 child spans: {cost['sampled']:.1f} us sampled, "
           f"{cost['unsampled']:.1f} us unsampled")
 

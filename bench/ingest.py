@@ -101,14 +101,17 @@ class OtlpCounter:
 REPLAY = textwrap.dedent("""
     import os, sys, time, grpc, crosstrace
     from crosstrace.proto import pb
+    from crosstrace.tracer.clock import Clock
     from crosstrace.tracer.encode import encode_spans
+    from crosstrace.tracer.exporter import ExportQueue
+    from crosstrace.tracer.provider import Tracer
     n, endpoint = int(sys.argv[1]), sys.argv[2]
-    provider = crosstrace.TracerProvider(node_id=f"replay-{os.getpid()}", disabled=True, max_queue=n + 1)
-    tracer = provider.get_tracer("bench")
+    queue = ExportQueue(Clock(), max_queue=n + 1, batch_size=n + 1)   # a tracer's queue, no exporter
+    tracer = Tracer(queue, "bench")
     for i in range(n):
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass
-    spans = list(provider._queue.queue)
+    spans = list(queue.queue)
     chunks = [spans[i:i + 8192] for i in range(0, n, 8192)]
     session, messages = os.urandom(16), []
     for seq, chunk in enumerate(chunks, 1):

@@ -20,6 +20,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 import crosstrace
 from crosstrace.launch import CollectorProcess
+from crosstrace.tracer.clock import Clock
+from crosstrace.tracer.exporter import ExportQueue
+from crosstrace.tracer.provider import Tracer
 
 
 class NoopExporter(SpanExporter):
@@ -40,8 +43,8 @@ def per_span_us(tracer, n: int) -> tuple[float, float]:
 
 def queued_bytes_per_span(n: int = 20000) -> float:
     """Memory held per span while it waits in the export queue (export switched off)."""
-    provider = crosstrace.TracerProvider(node_id="mem", disabled=True, max_queue=n + 1)
-    tracer = provider.get_tracer("bench")
+    queue = ExportQueue(Clock(), max_queue=n + 1, batch_size=n + 1)   # a tracer's queue, no exporter
+    tracer = Tracer(queue, "bench")
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -50,7 +53,7 @@ def queued_bytes_per_span(n: int = 20000) -> float:
             pass
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    assert len(provider._queue.queue) == n
+    assert len(queue.queue) == n
     return (after - before) / n
 
 

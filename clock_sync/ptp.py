@@ -47,9 +47,12 @@ def sample_from_fields(fields: dict[str, str], now, realtime_ns=time.time_ns) ->
     ptp4l timestamps with."""
     if fields.get("gmPresent") != "true":
         raise PtpError("ptp4l has no grandmaster yet")
-    master_offset = int(fields["master_offset"])              # ptp clock - master
-    path_delay = abs(float(fields["meanPathDelay"]))
-    ingress = int(fields["ingress_time"])
+    try:
+        master_offset = int(fields["master_offset"])              # ptp clock - master
+        path_delay = abs(float(fields["meanPathDelay"]))
+        ingress = int(fields["ingress_time"])
+    except (KeyError, ValueError) as exc:
+        raise PtpError(f"pmc's answer lacks a usable field: {exc!r}") from None
     if ingress <= 0:
         raise PtpError("ptp4l has not received a Sync yet")
     before = realtime_ns()

@@ -26,11 +26,15 @@ COLUMNS = (
 
 
 def loads(data: bytes):
-    """orjson, with json's leniency for what other encoders write (NaN, Infinity)."""
+    """orjson, with json's leniency for what other encoders write (NaN, Infinity). Nesting
+    too deep for either is a ValueError like any other bad JSON."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
 
 
 def dumps(value) -> bytes:

@@ -15,6 +15,7 @@ from ..proto import pb
 from .columns import BadBatch, parse_json_columns, view
 
 MAX_SPANS_PER_BATCH = 1 << 20
+MAX_INT64 = (1 << 63) - 1
 # Local monotonic clocks count from boot; anything beyond ~146 years is garbage.
 MAX_ABS_TIMESTAMP_NS = 1 << 62
 MAX_DURATION_NS = 30 * 24 * 3600 * 10**9
@@ -52,15 +53,20 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
         raise BadBatch(f"batch seq={batch.seq}: resource.node_id is empty")
     if batch.count > MAX_SPANS_PER_BATCH:
         raise TooLarge(f"batch seq={batch.seq} holds {batch.count} spans; at most {MAX_SPANS_PER_BATCH} per batch")
+    if batch.seq > MAX_INT64 or batch.dropped_spans > MAX_INT64:   # the store keeps them as SQLite integers
+        raise BadBatch(f"batch seq={batch.seq}, dropped_spans={batch.dropped_spans}: at most {MAX_INT64}")
     cols = view(batch)
     attributes, extras = parse_json_columns(batch)
     start, end = cols["start_ns"], cols["end_ns"]
+    # Compared directly, not through abs() and a difference, which wrap around at the int64 limits.
+    sane = (start >= -MAX_ABS_TIMESTAMP_NS) & (start <= MAX_ABS_TIMESTAMP_NS) & \
+        (end >= -MAX_ABS_TIMESTAMP_NS) & (end <= MAX_ABS_TIMESTAMP_NS)
     reasons = (
         ("invalid_trace_id", (cols["trace_id_hi"] == 0) & (cols["trace_id_lo"] == 0)),
         ("invalid_span_id", cols["span_id"] == 0),
-        ("absurd_timestamp", (np.abs(start) > MAX_ABS_TIMESTAMP_NS) | (np.abs(end) > MAX_ABS_TIMESTAMP_NS)),
+        ("absurd_timestamp", ~sane),
         ("end_before_start", end < start),
-        ("absurd_duration", (end - start) > MAX_DURATION_NS),
+        ("absurd_duration", sane & ((end - start) > MAX_DURATION_NS)),
         ("unknown_kind", cols["kind"] > MAX_KIND),
         ("unknown_status", cols["status"] > MAX_STATUS),
         ("bad_name_index", cols["name"] >= len(batch.strings)),

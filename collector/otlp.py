@@ -65,7 +65,8 @@ def resource_of(resource) -> "pb.Resource":
     rank = attrs.get(sc.RANK)
     labels = {k: str(v) for k, v in attrs.items() if len(str(v)) <= _MAX_LABEL}
     labels.update({sc.CLOCK_LABEL: sc.CLOCK_UNIX_EPOCH, sc.SOURCE_LABEL: "otlp"})
-    return pb.Resource(node_id=str(node), host=host, rank=rank if isinstance(rank, int) else -1,
+    rank = rank if isinstance(rank, int) and 0 <= rank < 1 << 31 else -1
+    return pb.Resource(node_id=str(node), host=host, rank=rank,
                        world_size=0, local_rank=-1, role=str(attrs.get(sc.ROLE, "")),
                        job_id=str(attrs.get(sc.JOB_ID, "")), pid=pid, service_name=service, labels=labels)
 

@@ -64,15 +64,23 @@ class Writer:
                     self._queue.put(None)
                     break
                 group.append(item)
-            try:
-                results = self.store.write([checked for checked, _ in group])
-            except Exception as exc:  # a failed commit fails those batches; the writer goes on
-                log.exception("store write failed")
-                for _, future in group:
-                    future.set_exception(exc)
-                continue
-            for (_, future), result in zip(group, results):
-                future.set_result(result)
+            self._commit(group)
+
+    def _commit(self, group: list) -> None:
+        """One transaction for the group; should it fail, each batch again on its own, so
+        that one client's batch cannot fail the others' (the writer always goes on)."""
+        try:
+            results = self.store.write([checked for checked, _ in group])
+        except Exception as exc:
+            if len(group) > 1:
+                for item in group:
+                    self._commit([item])
+                return
+            log.exception("store write failed")
+            group[0][1].set_exception(exc)
+            return
+        for (_, future), result in zip(group, results):
+            future.set_result(result)
 
 
 class StoreUnavailable(RuntimeError):
@@ -169,7 +177,10 @@ class Collector:
             interceptors=[TokenAuth(tokens)] if tokens else None,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.so_reuseport", 0)],
+                     ("grpc.so_reuseport", 0),
+                     # Tracers ping every 10 s to find links that died silently (tracer/exporter.py).
+                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                     ("grpc.keepalive_permit_without_calls", 1)],
             maximum_concurrent_rpcs=max_streams,
         )
         try:

@@ -122,6 +122,7 @@ class Store:
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
+                self._node_ids.clear()   # ids cached in the transaction may be rolled back with it
                 raise
             for keys in self._pending:  # only committed spans enter the window
                 self.recent.add(keys)

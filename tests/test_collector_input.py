@@ -87,6 +87,7 @@ def test_bad_spans_are_rejected_individually_and_the_rest_stored(collector):
     end = start + 500
     end[1] = start[1] - 1                    # end before start
     start[2] = end[2] = (1 << 62) + 5        # absurd: ~146 years after boot
+    start[6], end[6] = -(1 << 63), 1 << 62   # absurd too (abs() of the first would wrap around)
     ids = np.arange(1, n + 1, dtype="<u8")
     ids[3] = 0                               # invalid span id
     kinds = np.ones(n, "u1")
@@ -97,10 +98,10 @@ def test_bad_spans_are_rejected_individually_and_the_rest_stored(collector):
                                                   name=names).SerializeToString()])
     assert err is None
     ack = acks[0]
-    assert ack.accepted == 5
-    assert dict(ack.rejected) == {"end_before_start": 1, "absurd_timestamp": 1, "invalid_span_id": 1,
+    assert ack.accepted == 4
+    assert dict(ack.rejected) == {"end_before_start": 1, "absurd_timestamp": 2, "invalid_span_id": 1,
                                   "unknown_kind": 1, "bad_name_index": 1}
-    assert stored(collector) == 5
+    assert stored(collector) == 4
     assert rejects(collector)["end_before_start"] == 1
 
 
@@ -112,6 +113,33 @@ def test_bad_attributes_json_is_invalid_argument(collector):
     b.attributes_json = b"[not json"
     acks, err = export(collector.address, [b.SerializeToString()])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in err.details()
+
+
+def test_json_nested_too_deep_is_invalid_argument(collector):
+    b = batch(2)
+    b.attributes_json = b"[" * 100_000
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in err.details()
+
+
+def test_a_client_with_out_of_range_counters_spoils_no_one_elses_batch(collector):
+    """seq and dropped_spans are uint64 on the wire, int64 in the store: a batch beyond that is
+    refused on its own, and a good batch written at the same moment is stored."""
+    import threading
+
+    good = [batch(50, seq=k, node="good", first_id=100 * k).SerializeToString() for k in range(1, 21)]
+    results = {}
+    sender = threading.Thread(target=lambda: results.update(good=export(collector.address, good)))
+    sender.start()
+    for bad in (batch(3, seq=(1 << 64) - 1, node="bad"), batch(3, seq=1, node="bad2")):
+        if bad.resource.node_id == "bad2":
+            bad.dropped_spans = 1 << 63
+        acks, err = export(collector.address, [bad.SerializeToString()])
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most" in err.details()
+    sender.join(30)
+    acks, err = results["good"]
+    assert err is None and sum(a.accepted for a in acks) == 1000
+    assert stored(collector) == 1000
 
 
 def test_missing_node_id_is_invalid_argument(collector):

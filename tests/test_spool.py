@@ -13,7 +13,7 @@ import time
 
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
-from crosstrace.launch import CollectorProcess, free_port
+from crosstrace.launch import CollectorProcess, free_port, wait_until
 
 EDGE = """
 import os, sys, time, crosstrace
@@ -192,3 +192,23 @@ def test_collector_killed_and_restarted_mid_run_loses_nothing(tmp_path):
         collector.stop()
         finish(edge)
     assert stored_indices(path) == list(range(40000))
+
+
+def test_a_spool_that_cannot_be_written_costs_memory_only_up_to_its_bound(tmp_path):
+    """Disk full or folder gone: the tracer keeps at most max_unacked_mb in memory, counts the
+    rest as dropped, and neither raises into the program nor at shutdown."""
+    import shutil
+
+    import crosstrace
+
+    provider = crosstrace.TracerProvider(endpoint=f"127.0.0.1:{free_port()}", node_id="edge",
+                                         spool_dir=str(tmp_path / "spool"), max_unacked_mb=1, batch_size=1000)
+    shutil.rmtree(tmp_path / "spool")                # every spool write fails from now on
+    tracer = provider.get_tracer("t")
+    for i in range(30_000):
+        with tracer.start_as_current_span("frame", attributes={"i": i, "pad": "x" * 100}):
+            pass
+    exporter = provider._exporter
+    assert wait_until(lambda: not provider._queue.queue and provider.dropped_spans > 0, 30)
+    assert exporter._memory_bytes <= (1 << 20) + 200_000   # the bound, plus the newest batch
+    assert provider.shutdown(5000) is False               # not everything was delivered; no exception

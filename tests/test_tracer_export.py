@@ -184,3 +184,13 @@ def test_exit_probes_the_clock_once_more_after_the_last_span(collector):
         store.close()
     last_span_end = int(table.end.max())
     assert probes[0] < last_span_end < probes[-1]
+
+
+def test_disabled_tracer_records_nothing():
+    provider = crosstrace.TracerProvider(node_id="off", disabled=True)
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("x") as span:
+        assert not span.is_recording()
+    provider.add_clock_sample((1, 2, "3 4 node"))
+    assert not provider._queue.queue and not provider._queue.samples
+    assert provider.force_flush(1000) and provider.shutdown()

@@ -70,6 +70,13 @@ class Config:
                 raise TypeError(f"unknown crosstrace option {name!r}; known: {', '.join(sorted(_FIELDS))}")
             if value is not None:
                 setattr(cfg, name, value)
+        for name, minimum in _MINIMUM.items():
+            value = getattr(cfg, name)
+            if not value >= minimum:
+                default = _FIELDS[name].default
+                warnings.warn(f"crosstrace: {name}={value!r} is below its minimum {minimum}; using {default}",
+                              RuntimeWarning, stacklevel=2)
+                setattr(cfg, name, default)
         if not cfg.node_id:
             host = socket.gethostname()
             cfg.node_id = f"{host}/rank{cfg.rank}" if cfg.rank >= 0 else f"{host}/{os.getpid()}"
@@ -77,6 +84,11 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# Sizes and periods below these make the exporter spin or never send: such a value is
+# reported and its default used.
+_MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unacked_mb": 1,
+            "clock_probe_interval_s": 0.01, "clock_probe_burst": 1, "ntp_interval_s": 0.01,
+            "ptp_interval_s": 0.01, "exit_flush_timeout_s": 0, "spool_max_mb": 1}
 
 
 def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:

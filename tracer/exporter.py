@@ -150,8 +150,12 @@ class Exporter:
         self._close_stream()
         self._prober.close()
         if self._spool is not None:
-            self._spill(everything=True)  # the node's next process replays what is left
-            self._spool.close()
+            try:
+                self._spill(everything=True)  # the node's next process replays what is left
+                self._spool.close()
+            except OSError as exc:            # never raise into the traced program at its exit
+                log.warning("crosstrace: could not keep the unacked batches in %s: %s", self.cfg.spool_dir, exc)
+                return False
         return flushed
 
     def restart_after_fork(self) -> "Exporter":
@@ -287,7 +291,14 @@ class Exporter:
                         self._forget(entry)
                         self.dropped += entry.spans
                         continue
-                spooled = self._spool.write(data, entry.seq, entry.spans)
+                try:
+                    spooled = self._spool.write(data, entry.seq, entry.spans)
+                except OSError as exc:     # disk full, read-only: keep within the memory bound instead
+                    self._warn_once("spool_write", f"crosstrace: cannot write to the spool {self.cfg.spool_dir} "
+                                    f"({exc}); unacked batches beyond max_unacked_mb are dropped")
+                    with self._lock:
+                        self._give_up_oldest_in_memory(bound)
+                    return
                 with self._lock:
                     if entry.gone:             # acked while it was being written
                         self._spool.remove(spooled)
@@ -439,7 +450,12 @@ class Exporter:
 
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
-                    ("grpc.max_receive_message_length", 64 << 20)]
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    # A link that drops silently (no RST) is found within ~15 s, not when TCP
+                    # gives up minutes later: batches then go to the spool.
+                    ("grpc.keepalive_time_ms", 10_000),
+                    ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.http2.max_pings_without_data", 0)]
 
 
 def open_channel(cfg) -> grpc.Channel:

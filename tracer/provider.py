@@ -276,7 +276,7 @@ class TracerProvider(trace_api.TracerProvider):
 
     def get_tracer(self, instrumenting_module_name: str = "", instrumenting_library_version=None,
                    schema_url=None, attributes=None) -> trace_api.Tracer:
-        if self._shutdown:
+        if self._shutdown or self.config.disabled:
             return trace_api.NoOpTracer()
         return Tracer(self._queue, instrumenting_module_name)
 
@@ -288,7 +288,8 @@ class TracerProvider(trace_api.TracerProvider):
     def add_clock_sample(self, sample) -> None:
         """Queue a clock sample for the next batch: a ClockSample (NTP, PTP), or an RPC's raw
         (t1, t4, trailer), which the exporter thread parses off the call path."""
-        self._queue.samples.append(sample)
+        if self._exporter is not None:   # nothing would take it out of the queue otherwise
+            self._queue.samples.append(sample)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """True once the collector has acked every span that ended before this call."""
