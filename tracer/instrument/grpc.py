@@ -203,7 +203,8 @@ def _outcome_finisher(b: _Binding, span, t1):
     def finish(outcome) -> None:
         t4 = now() if now is not None else None
         try:
-            code, trailing, details = outcome.code(), outcome.trailing_metadata(), outcome.details()
+            code, trailing = outcome.code(), outcome.trailing_metadata()
+            details = outcome.details() if code is not _OK else None   # read only for an error
         except Exception:  # a local failure before the call existed (_FailureOutcome)
             code, trailing, details = grpc.StatusCode.UNKNOWN, None, None
         _client_finish(b, span, t1, t4, code, trailing, details)
@@ -440,6 +441,9 @@ _FACTORIES = (
 )
 
 
+_unary_unary_handler = grpc.unary_unary_rpc_method_handler
+
+
 def _rewrap(handler, wrap):
     """The same handler with its behavior replaced by wrap(behavior, streaming_response)."""
     for attr, factory, streaming in _FACTORIES:
@@ -464,6 +468,10 @@ class ServerInterceptor(_Bound, grpc.ServerInterceptor):
         if handler is None:
             return None
         method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
+        behavior = handler.unary_unary
+        if behavior is not None:   # the common case, without the general rewrap
+            return _unary_unary_handler(_wrap_sync(b, method, metadata, t2, behavior, False),
+                                        handler.request_deserializer, handler.response_serializer)
         return _rewrap(handler, lambda behavior, streaming: _wrap_sync(b, method, metadata, t2, behavior, streaming))
 
 
