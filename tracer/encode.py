@@ -1,11 +1,12 @@
-"""Ended spans -> one columnar SpanBatch, on the exporter thread.
+"""Spans -> one columnar SpanBatch, on the exporter thread.
 
-The export queue holds one tuple per ended span, in the order of RECORD_FIELDS (the
-hot path builds it from the span's slots: cheaper than a second pass over span objects
-here). zip() turns a batch of them into columns in C; each column becomes an array of
-fixed-width little-endian values, and the attributes of the whole batch one JSON document.
+Each per-span field becomes one array of fixed-width little-endian values (numpy
+reads them straight from the span objects); attributes of the whole batch are one
+JSON document.
 """
 import json
+from operator import attrgetter
+
 import numpy as np
 import orjson
 
@@ -14,8 +15,16 @@ from ..proto import pb
 _M64 = (1 << 64) - 1
 _U64, _I64, _U32 = np.dtype("<u8"), np.dtype("<i8"), np.dtype("<u4")
 
-RECORD_FIELDS = ("trace_id", "span_id", "parent_id", "start", "end", "kind", "thread", "name", "attributes",
-                 "extras")
+_trace_id = attrgetter("trace_id")
+_span_id = attrgetter("span_id")
+_parent_id = attrgetter("parent_id")
+_start = attrgetter("start")
+_end = attrgetter("end_ns")
+_kind = attrgetter("kind")
+_thread = attrgetter("thread")
+_attributes = attrgetter("attributes")
+_name = attrgetter("name")
+_extras_of = attrgetter("extras")
 
 
 def _column(dtype: np.dtype, values, n: int) -> bytes:
@@ -40,11 +49,11 @@ def dumps(value) -> bytes:
         return json.dumps(value, separators=(",", ":"), default=_json_value).encode()
 
 
-def _sparse(extras) -> tuple[bytes, bytes]:
+def _sparse(spans) -> tuple[bytes, bytes]:
     """(status column, extras JSON) from the few spans that have SpanExtras."""
-    status = bytearray(len(extras))
+    status = bytearray(len(spans))
     rows = []
-    for i, x in enumerate(extras):
+    for i, x in enumerate(map(_extras_of, spans)):
         if x is None:
             continue
         status[i] = x.status
@@ -61,20 +70,21 @@ def _sparse(extras) -> tuple[bytes, bytes]:
     return bytes(status), dumps(rows) if rows else b""
 
 
-def encode_spans(batch: "pb.SpanBatch", records: list) -> None:
-    """Fill the span columns of `batch` from the export queue's records (RECORD_FIELDS)."""
-    trace_ids, span_ids, parent_ids, starts, ends, kinds, threads, names, attributes, extras = zip(*records)
+def encode_spans(batch: "pb.SpanBatch", spans: list) -> None:
+    """Fill the span columns of `batch` from a list of ended crosstrace Spans."""
+    trace_ids = list(map(_trace_id, spans))
+    names = list(map(_name, spans))
     strings = {name: i for i, name in enumerate(set(names))}
-    n = batch.count = len(records)
+    n = batch.count = len(spans)
     batch.trace_id_hi = _column(_U64, [t >> 64 for t in trace_ids], n)
     batch.trace_id_lo = _column(_U64, [t & _M64 for t in trace_ids], n)
-    batch.span_id = np.array(span_ids, dtype=_U64).tobytes()
-    batch.parent_span_id = np.array(parent_ids, dtype=_U64).tobytes()
-    batch.start_ns = np.array(starts, dtype=_I64).tobytes()
-    batch.end_ns = np.array(ends, dtype=_I64).tobytes()
-    batch.kind = bytes(kinds)
+    batch.span_id = _column(_U64, map(_span_id, spans), n)
+    batch.parent_span_id = _column(_U64, map(_parent_id, spans), n)
+    batch.start_ns = _column(_I64, map(_start, spans), n)
+    batch.end_ns = _column(_I64, map(_end, spans), n)
+    batch.kind = bytes(map(_kind, spans))
     batch.name = _column(_U32, map(strings.__getitem__, names), n)
-    batch.thread = np.array(threads, dtype=_U64).tobytes()
+    batch.thread = _column(_U64, map(_thread, spans), n)
     batch.strings.extend(strings)
-    batch.attributes_json = dumps(attributes)
-    batch.status, batch.extras_json = _sparse(extras)
+    batch.attributes_json = dumps(list(map(_attributes, spans)))
+    batch.status, batch.extras_json = _sparse(spans)

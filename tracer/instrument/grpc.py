@@ -315,10 +315,11 @@ def aio_client_interceptors(tracer_provider=None) -> list:
 class _ServerCall:
     """One traced server call: its span is current while the handler runs."""
 
-    __slots__ = ("b", "span", "t1", "t2", "parent")
+    __slots__ = ("b", "span", "t1", "t2", "parent", "context", "_token")
 
-    def __init__(self, b: _Binding, method, invocation_metadata, t2):
+    def __init__(self, b: _Binding, method, invocation_metadata, t2, context):
         self.b = b
+        self.context = context
         carrier = {}
         t1 = None
         for key, value in invocation_metadata or ():
@@ -345,9 +346,19 @@ class _ServerCall:
     def leave(token) -> None:
         detach(token)
 
-    def finish(self, context, exc: BaseException | None) -> None:
+    def __enter__(self) -> "_ServerCall":
+        """`with` around a handler that runs once (unary, or an asyncio task): its span is
+        current inside, and ends with the call's outcome, exception included."""
+        self._token = self.enter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(exc)
+        self.leave(self._token)
+
+    def finish(self, exc: BaseException | None) -> None:
         """Answer the clock trailer, set the status code and end the span."""
-        span = self.span
+        span, context = self.span, self.context
         if self.t1 is not None:
             t3 = self.b.now()
             try:
@@ -394,7 +405,7 @@ def _details(context) -> str:
 def _wrap_sync(b: _Binding, method, metadata, t2, behavior, streaming_response: bool):
     if streaming_response:
         def traced_stream(request, context):
-            call = _ServerCall(b, method, metadata, t2)
+            call = _ServerCall(b, method, metadata, t2, context)
             exc = None
             try:
                 token = call.enter()
@@ -415,21 +426,12 @@ def _wrap_sync(b: _Binding, method, metadata, t2, behavior, streaming_response: 
                 exc = e
                 raise
             finally:
-                call.finish(context, exc)
+                call.finish(exc)
         return traced_stream
 
     def traced(request, context):
-        call = _ServerCall(b, method, metadata, t2)
-        exc = None
-        token = call.enter()
-        try:
+        with _ServerCall(b, method, metadata, t2, context):
             return behavior(request, context)
-        except BaseException as e:
-            exc = e
-            raise
-        finally:
-            call.leave(token)
-            call.finish(context, exc)
     return traced
 
 
@@ -484,32 +486,14 @@ def server_interceptor(tracer_provider=None) -> grpc.ServerInterceptor:
 def _wrap_aio(b: _Binding, method, metadata, t2, behavior, streaming_response: bool):
     if inspect.isasyncgenfunction(behavior):
         async def traced_gen(request, context):
-            call = _ServerCall(b, method, metadata, t2)
-            token = call.enter()   # an aio call runs in its own task and context
-            exc = None
-            try:
+            with _ServerCall(b, method, metadata, t2, context):   # an aio call runs in its own task and context
                 async for item in behavior(request, context):
                     yield item
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                call.finish(context, exc)
-                call.leave(token)
         return traced_gen
     if inspect.iscoroutinefunction(behavior):
         async def traced(request, context):
-            call = _ServerCall(b, method, metadata, t2)
-            token = call.enter()
-            exc = None
-            try:
+            with _ServerCall(b, method, metadata, t2, context):
                 return await behavior(request, context)
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                call.finish(context, exc)
-                call.leave(token)
         return traced
     return None   # a sync handler on an aio server (migration thread pool): left untraced
 
