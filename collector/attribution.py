@@ -253,6 +253,13 @@ def _minus_children(table: SpanTable, dag: Dag, rows, s, e, cat, base, span):
             np.concatenate([e[keep], point_t[seg + 1]]), np.concatenate([cat[keep], pc[p]]))
 
 
+def newly_covered(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For intervals sorted by start: the length of each that no interval before it covers.
+    Summed per group laid out on its own key range, that is the length of each group's union."""
+    reach = np.maximum.accumulate(end)
+    return np.maximum(end - np.maximum(start, np.r_[_NEG, reach[:-1]]), 0)
+
+
 def _exclusive(group, s, e, cat, n_groups, base, span):
     """ns per (group, category) with each instant counted once, for the highest-priority
     category covering it (union measures of growing category sets)."""
@@ -268,10 +275,7 @@ def _exclusive(group, s, e, cat, n_groups, base, span):
         if not (rank == level).any():
             continue
         m = rank <= level
-        a, b = ks[m], ke[m]
-        reach = np.maximum.accumulate(b)
-        covered = np.maximum(b - np.maximum(a, np.r_[_NEG, reach[:-1]]), 0)
-        now = np.rint(np.bincount(g[m], weights=covered, minlength=n_groups)).astype(np.int64)
+        now = np.rint(np.bincount(g[m], weights=newly_covered(ks[m], ke[m]), minlength=n_groups)).astype(np.int64)
         out[:, code] = now - union
         union = now
     return out, union

@@ -212,6 +212,8 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
         sel = sel[np.argsort(-w.cost_ns[sel], kind="stable")]
         late_node = t.node[w.late_row[sel]]
         cost = delay[tr]
+        if not cost.any():
+            continue
         worst = int(np.argmax(cost))
         own = sel[late_node == worst][0]     # its costliest wait
         waits = []
@@ -237,10 +239,10 @@ def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
     waiting rank's instants counted once. A late rank holds up several collectives at once
     (DDP's bucket all-reduces are all in flight together): summing their waits would count
     the same wall time once per bucket. So per (trace, late node, waiting node) the union of
-    the wait intervals, summed over the waiting nodes. This is the time the others spent in
-    collectives held up by the late node, including any they overlapped with compute of
-    their own (DDP's buckets wait while backward goes on), so it can exceed their per-rank
-    collective.wait, which counts each instant in one category only."""
+    the wait intervals (the same waits as attribution's), summed over the waiting nodes.
+    This is the time the others spent in collectives held up by the late node, including
+    any they overlapped with compute of their own (DDP's buckets wait while backward goes
+    on), so it can exceed their per-rank collective.wait, which counts each instant once."""
     start, end = dag.time[0:2 * dag.n_rows:2], dag.time[1:2 * dag.n_rows:2]
     members = np.flatnonzero((dag.join >= 0) & dag.waits_for_join)
     j = dag.join[members]
@@ -250,31 +252,21 @@ def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
     late = np.concatenate([dag.join_last[j], dag.partner[p2p]])
     wait_end = np.concatenate([np.minimum(dag.join_time[j], end[members]), np.minimum(start[dag.partner[p2p]], end[p2p])])
     wait_start = start[waiter]
-    keep = (wait_end > wait_start) & (t.node[late] != t.node[waiter])
+    keep = wait_end > wait_start
     waiter, late, wait_start, wait_end = waiter[keep], late[keep], wait_start[keep], wait_end[keep]
-    trace = t.trace[waiter].astype(np.int64)
-    key = (trace * n_nodes + t.node[late]) * n_nodes + t.node[waiter]
     out = np.zeros(n_traces * n_nodes, dtype=np.int64)
-    if len(key):
-        union = _union_lengths(key, wait_start, wait_end)
-        keys = np.unique(key)
-        np.add.at(out, keys // n_nodes, union)
+    if not len(waiter):
+        return out.reshape(n_traces, n_nodes)
+    trace = t.trace[waiter].astype(np.int64)
+    keys, group = np.unique((trace * n_nodes + t.node[late]) * n_nodes + t.node[waiter], return_inverse=True)
+    group = group.reshape(-1)
+    base = dag.trace_start[trace]                   # each group on its own key range, as attribution lays them
+    span = int((wait_end - base).max()) + 1
+    order = np.lexsort((wait_start, group))
+    key_start, key_end = (group * span + wait_start - base)[order], (group * span + wait_end - base)[order]
+    union = np.bincount(group[order], weights=attribution.newly_covered(key_start, key_end), minlength=len(keys))
+    np.add.at(out, keys // n_nodes, np.rint(union).astype(np.int64))
     return out.reshape(n_traces, n_nodes)
-
-
-def _union_lengths(key: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Per distinct key (in np.unique order): the length of the union of its intervals."""
-    order = np.lexsort((start, key))
-    key, start, end = key[order], start[order], end[order]
-    first = np.r_[True, key[1:] != key[:-1]]
-    group = np.cumsum(first) - 1
-    base = start[first][group]                       # times from each group's first start: small
-    span = int((end - base).max()) + 1
-    reach = np.maximum.accumulate(group * span + (end - base)) - group * span   # furthest end so far
-    covered_before = np.r_[0, reach[:-1]]
-    covered_before[first] = 0
-    new = np.clip(end - base - np.maximum(start - base, covered_before), 0, None)
-    return np.bincount(group, weights=new).astype(np.int64)
 
 
 def _collectives(at, out: list) -> None:

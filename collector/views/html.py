@@ -14,7 +14,7 @@ import numpy as np
 
 from ...proto.semconv import Kind
 from .. import attribution
-from .terminal import fmt_ns
+from .terminal import fmt_ns, largest_segments
 
 NAMES = attribution.CATEGORIES + ("remote",)
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
@@ -168,30 +168,30 @@ def _budgets(report: dict) -> str:
             f"<th>status</th><th>worst traces</th></tr>{''.join(rows)}</table>")
 
 
+def _bars_table(headers: tuple[str, ...], rows: list[tuple[list[str], dict, int]]) -> str:
+    """One row per item: its leading cells, then a bar of its attribution (with "remote"),
+    as long as its length against the longest item's."""
+    longest = max((length for _, _, length in rows), default=1)
+    cells = []
+    for leading, entry, length in rows:
+        values = {**entry["attribution"], "remote": entry.get("remote_ns", 0)}
+        cells.append("<tr>" + "".join(leading)
+                     + f"<td>{_bar(values, longest, 600 * length / max(longest, 1))}</td></tr>")
+    return "<table><tr>" + "".join(f"<th>{h}</th>" for h in headers) + f"</tr>{''.join(cells)}</table>"
+
+
 def _trace_bars(traces: list[dict], limit: int = 40) -> str:
     slowest = sorted(traces, key=lambda tr: -tr["duration_ns"])[:limit]
-    longest = max((tr["duration_ns"] for tr in slowest), default=1)
-    rows = []
-    for tr in slowest:
-        values = {**tr["attribution"], "remote": tr.get("remote_ns", 0)}
-        rows.append(f'<tr><td><code>{tr["trace_id"][:16]}</code></td><td>{html.escape(tr["name"])}</td>'
-                    f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>'
-                    f'<td>{_bar(values, longest, 600 * tr["duration_ns"] / max(longest, 1) if longest else 0)}</td></tr>')
-    return ("<table><tr><th>trace</th><th>name</th><th>duration</th><th>critical path by category</th></tr>"
-            f"{''.join(rows)}</table>")
+    return _bars_table(("trace", "name", "duration", "critical path by category"), [
+        ([f'<td><code>{tr["trace_id"][:16]}</code></td>', f'<td>{html.escape(tr["name"])}</td>',
+          f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>'], tr, tr["duration_ns"]) for tr in slowest])
 
 
 def _rank_bars(trace: dict) -> str:
     ranks = sorted(trace["per_rank"].items(), key=lambda kv: (kv[1]["rank"] < 0, kv[1]["rank"], kv[0]))
-    longest = max((v["window_ns"] for _, v in ranks), default=1)
-    rows = []
-    for node, v in ranks:
-        values = {**v["attribution"], "remote": v.get("remote_ns", 0)}
-        rows.append(f'<tr><td>{html.escape(node)}</td><td class="num">{v["rank"] if v["rank"] >= 0 else "-"}</td>'
-                    f'<td class="num">{fmt_ns(v["window_ns"])}</td>'
-                    f'<td>{_bar(values, longest, 600 * v["window_ns"] / max(longest, 1))}</td></tr>')
-    return ("<table><tr><th>node</th><th>rank</th><th>window</th><th>time by category</th></tr>"
-            f"{''.join(rows)}</table>")
+    return _bars_table(("node", "rank", "window", "time by category"), [
+        ([f"<td>{html.escape(node)}</td>", f'<td class="num">{v["rank"] if v["rank"] >= 0 else "-"}</td>',
+          f'<td class="num">{fmt_ns(v["window_ns"])}</td>'], v, v["window_ns"]) for node, v in ranks])
 
 
 def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
@@ -199,12 +199,11 @@ def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
     out = []
     for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:limit]:
         d = k["duration"]
-        keep = {id(s) for s in sorted(k["segments"], key=lambda s: -s["mean_ns"])[:rows]}
         cells = "".join(
             f'<tr><td><i style="background:{COLOURS[seg["category"]]}"></i> {html.escape(seg["segment"])}</td>'
             + "".join(f'<td class="num">{fmt_ns(seg[f"{q}_ns"])}</td>' for q in ("p50", "p95", "p99", "mean"))
             + f'<td class="num">{seg["share"]:.0%}</td></tr>'
-            for seg in k["segments"] if id(seg) in keep)
+            for seg in largest_segments(k["segments"], rows))
         out.append(f'<h3>{html.escape(name)}: {k["traces"]} traces, p50 {fmt_ns(d["p50_ns"])}, '
                    f'p95 {fmt_ns(d["p95_ns"])}, p99 {fmt_ns(d["p99_ns"])}</h3>'
                    f'<table class="kind"><tr><th>critical-path segment (path order)</th><th>p50</th><th>p95</th>'

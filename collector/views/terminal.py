@@ -91,7 +91,7 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
         table.add_column("critical path: segment (path order), category")
         for col in ("p50", "p95", "p99", "mean", "share", "on path"):
             table.add_column(col, justify="right", no_wrap=True)
-        shown = _largest(k["segments"], rows)
+        shown = largest_segments(k["segments"], rows)
         for seg in shown:
             table.add_row(seg["segment"], *_stat_cells(seg), f"{seg['share']:.0%}", f"{seg['traces']}/{k['traces']}")
         if len(shown) < len(k["segments"]):
@@ -104,7 +104,7 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
             _per_trace(name, k, traces, console, limit)
 
 
-def _largest(segments: list[dict], n: int) -> list[dict]:
+def largest_segments(segments: list[dict], n: int) -> list[dict]:
     """The n segments with the largest mean, still in path order."""
     keep = {id(s) for s in sorted(segments, key=lambda s: -s["mean_ns"])[:n]}
     return [s for s in segments if id(s) in keep]
@@ -117,7 +117,7 @@ def _stat_cells(stats: dict) -> list[str]:
 def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: int) -> None:
     """The slowest traces of a kind, one column per segment (as many as the console fits)."""
     fits = max(1, (console.width - 32) // 12)
-    shown = _largest(k["segments"], fits if len(k["segments"]) <= fits else fits - 1)
+    shown = largest_segments(k["segments"], fits if len(k["segments"]) <= fits else fits - 1)
     other = len(shown) < len(k["segments"])
     table = Table(title=f"slowest {name!r} traces: critical path per segment", title_justify="left")
     table.add_column("trace", no_wrap=True)

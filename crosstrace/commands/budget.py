@@ -47,10 +47,8 @@ def register(sub) -> None:
 
 
 def run_check(args) -> int:
-    from ..collector import budgets as budgets_mod
     from .report import analyse_report
 
-    budgets_mod.load(args.budget)   # a bad file fails before the store is read
     report, _, _ = analyse_report(args.store, args.trace, quiet=True, budget_file=args.budget)
     results = report["budgets"]
     if args.json:
