@@ -24,7 +24,8 @@ class CollectorProcess:
         self.address = self._wait_listening(timeout_s)
         self.port = int(self.address.rsplit(":", 1)[1])
         self.stderr_lines: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
 
     def _wait_listening(self, timeout_s: float) -> str:
         timer = threading.Timer(timeout_s, self.proc.kill)
@@ -44,7 +45,8 @@ class CollectorProcess:
             self.stderr_lines.append(line)
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s`. Once stopped,
+        `stderr_lines` holds everything the collector wrote."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -52,11 +54,13 @@ class CollectorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self._drainer.join(5)
         return self.proc.returncode
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(5)
+        self._drainer.join(5)
 
     def __enter__(self) -> "CollectorProcess":
         return self

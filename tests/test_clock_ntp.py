@@ -110,6 +110,7 @@ def test_ntp_samples_align_a_node_that_only_has_ntp(collector, chronyd):
     placed = fit_sources({"both": node_sources(rows["both"]), "ntp-only": only_ntp}, epoch_offset)["ntp-only"]
     assert placed.known and placed.sources == (f"ntp:{chronyd}",)
     t = np.array([r[7] for r in rows["ntp-only"] if r[1] == pb.NTP], dtype=np.int64)
+    assert len(t) >= 2
     off, drift = truth["ntp-only"]
     ppb = round(drift * 1000)
     true = off + ((t - off - epoch) / (1 + ppb / 1e9)) * ppb / 1e9

@@ -127,7 +127,8 @@ def test_tracer_ptp_samples_reach_the_model(collector, ptp_slave_uds):
     assert sum(r[1] == pb.PTP for r in rows) >= 3
     assert any(s.startswith("ptp:") for s in model.sources), model
     assert not any(f.startswith("falseticker") for f in model.flags)
-    t = np.array([r[3] for r in rows if r[1] == pb.UDP_EXCHANGE], dtype=np.int64)
+    t = np.array([r[7] for r in rows if r[1] == pb.PTP], dtype=np.int64)    # where the PTP readings were taken
+    assert len(t) >= 3
     ppb = 30_000
     true = 90_000_000 + ((t - 90_000_000 - epoch) / (1 + ppb / 1e9)) * ppb / 1e9
     lo, hi = model.bounds_at(t)

@@ -139,7 +139,7 @@ def test_tracer_over_tls_with_token_delivers(tmp_path, pki):
         out = run_python(CLIENT, env, timeout=60, args=("20000",))
         assert out.stdout.strip() == "flushed True", out.stderr
         assert stored(collector.store) == 50
-        assert not [line for line in collector.stderr_lines if "warning" in line]   # loopback: no warning
+    assert not [line for line in collector.stderr_lines if "warning" in line]   # loopback: no warning
 
 
 @pytest.mark.parametrize("case", ["wrong_ca", "plaintext", "wrong_token"])
