@@ -41,20 +41,26 @@ def per_span_us(tracer, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
 
 
-def queued_bytes_per_span(n: int = 20000) -> float:
-    """Memory held per span while it waits in the export queue (export switched off)."""
+def queued_bytes_per_span(n: int = 20000) -> tuple[float, float]:
+    """Memory held per span while it waits to be exported: (crosstrace, SDK). crosstrace's
+    queue has no exporter here; the SDK's BatchSpanProcessor is held back by a long delay."""
     queue = ExportQueue(Clock(), max_queue=n + 1, batch_size=n + 1)   # a tracer's queue, no exporter
-    tracer = Tracer(queue, "bench")
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for i in range(n):
-        with tracer.start_as_current_span("op", attributes={"a": i, "b": "x"}):
-            pass
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
+    sdk = SdkProvider()
+    sdk.add_span_processor(BatchSpanProcessor(NoopExporter(), max_queue_size=n + 1, max_export_batch_size=n + 1,
+                                              schedule_delay_millis=3_600_000))
+    out = []
+    for tracer in (Tracer(queue, "bench"), sdk.get_tracer("bench")):
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            with tracer.start_as_current_span("op", attributes={"a": i, "b": "x"}):
+                pass
+        out.append((tracemalloc.get_traced_memory()[0] - before) / n)
+        tracemalloc.stop()
     assert len(queue.queue) == n
-    return (after - before) / n
+    sdk.shutdown()
+    return out[0], out[1]
 
 
 def main() -> None:
@@ -88,7 +94,9 @@ def main() -> None:
               + " ".join(f"{t[i]:.1f}" for t in times["otel-sdk"]) + ")")
     print(f"ratio crosstrace/sdk: wall {ratios[0]:.3f}, CPU {ratios[1]:.3f}   (target <= 0.10)")
     print(f"all spans acked by the collector: {flushed}, dropped: {ours.dropped_spans}")
-    print(f"memory per queued span: {queued_bytes_per_span():.0f} bytes   (target <= 500)")
+    ours_b, sdk_b = queued_bytes_per_span()
+    print(f"memory per queued span: crosstrace {ours_b:.0f} bytes (target <= 500), opentelemetry-sdk {sdk_b:.0f} "
+          f"bytes, ratio {ours_b / sdk_b:.3f}")
 
 
 if __name__ == "__main__":
