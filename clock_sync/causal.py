@@ -67,20 +67,21 @@ def violations(models: list[ClockModel], facts: Precedence) -> np.ndarray:
     return np.flatnonzero(gaps(models, facts) < 0)
 
 
-def _aligned(models, node, t) -> np.ndarray:
-    out = np.zeros(len(t), dtype=np.int64)
+def _evaluate(models, node, t):
+    """(estimate, lo, hi) of each event's node model at its local time."""
+    est, lo, hi = np.zeros(len(t)), np.full(len(t), -np.inf), np.full(len(t), np.inf)
     for k in np.unique(node).tolist():
         rows = node == k
-        out[rows] = models[k].to_reference(t[rows])
-    return out
+        est[rows], lo[rows], hi[rows] = models[k].evaluate(t[rows])
+    return est, lo, hi
+
+
+def _aligned(models, node, t) -> np.ndarray:
+    return np.asarray(t, dtype=np.int64) - np.rint(_evaluate(models, node, t)[0]).astype(np.int64)
 
 
 def _bounds(models, node, t):
-    lo, hi = np.full(len(t), -np.inf), np.full(len(t), np.inf)
-    for k in np.unique(node).tolist():
-        rows = node == k
-        lo[rows], hi[rows] = models[k].bounds_at(t[rows])
-    return lo, hi
+    return _evaluate(models, node, t)[1:]
 
 
 def refine(models: list[ClockModel], facts: Precedence) -> Refinement:
@@ -212,12 +213,7 @@ class _Knots:
         """Per knot, how far it may move the estimate: within every interval it touches."""
         lower, upper = np.full(self.n, -_FAR), np.full(self.n, _FAR)
         for node, t in ((facts.node_a, facts.t_a), (facts.node_b, facts.t_b)):
-            est = np.zeros(len(t))
-            lo, hi = np.zeros(len(t)), np.zeros(len(t))
-            for k in np.unique(node).tolist():
-                rows = node == k
-                est[rows] = models[k].offset_at(t[rows])
-                lo[rows], hi[rows] = models[k].bounds_at(t[rows])
+            est, lo, hi = _evaluate(models, node, t)
             for v in self.around(node, t):
                 ok = v >= 0
                 np.maximum.at(lower, v[ok], np.maximum(lo - est, -_FAR)[ok])

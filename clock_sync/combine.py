@@ -43,8 +43,7 @@ def falsetickers(models: dict[str, ClockModel], times: np.ndarray) -> set[str]:
     times = np.unique(times)
     if len(times) > SELECTION_TIMES:
         times = times[np.linspace(0, len(times) - 1, SELECTION_TIMES).astype(int)]
-    lo = np.stack([models[n].bounds_at(times)[0] for n in names])
-    hi = np.stack([models[n].bounds_at(times)[1] for n in names])
+    lo, hi = map(np.stack, zip(*(models[n].bounds_at(times) for n in names)))
     bad: set[str] = set()
     for col in range(len(times)):
         members = marzullo(lo[:, col], hi[:, col])

@@ -50,16 +50,16 @@ class ClockModel:
     # -- evaluation -------------------------------------------------------------------------
 
     def offset_at(self, local) -> np.ndarray:
-        return self._evaluate(local)[0]
+        return self.evaluate(local)[0]
 
     def bounds_at(self, local) -> tuple[np.ndarray, np.ndarray]:
         """(lo, hi): the true offset at each local time lies in [lo, hi]."""
-        _, lo, hi = self._evaluate(local)
+        _, lo, hi = self.evaluate(local)
         return lo, hi
 
     def error_at(self, local) -> np.ndarray:
         """Bound on |true offset - offset_at| at each local time (inf without segments)."""
-        est, lo, hi = self._evaluate(local)
+        est, lo, hi = self.evaluate(local)
         return np.maximum(est - lo, hi - est)
 
     def to_reference(self, local) -> np.ndarray:
@@ -78,7 +78,8 @@ class ClockModel:
             index[t - begin >= max(end - begin, 1)] = i + 1
         return index
 
-    def _evaluate(self, local):
+    def evaluate(self, local):
+        """(estimate, lo, hi) at each local time, in one pass over the segments."""
         t = np.asarray(local, dtype=np.int64)
         shape, t = t.shape, t.reshape(-1)
         if not self.segments:

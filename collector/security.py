@@ -9,10 +9,10 @@ nothing about which token came close. A call without a valid token is refused wi
 UNAUTHENTICATED before any handler runs: it stores nothing.
 """
 import hmac
-import ipaddress
-import socket
 
 import grpc
+
+from ..proto.endpoint import is_loopback, split_host_port
 
 AUTH_KEY = "authorization"
 _BEARER = "bearer "
@@ -64,23 +64,12 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grp
     return grpc.ssl_server_credentials([pair])
 
 
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return all(ipaddress.ip_address(info[4][0]).is_loopback
-                       for info in socket.getaddrinfo(host, None))
-        except (OSError, ValueError):
-            return False
-
-
 def exposure_warning(listen: str, tls: bool, tokens: bool) -> str | None:
     """The warning to print when a collector listens beyond loopback unprotected."""
-    host = listen.rsplit(":", 1)[0]
+    try:
+        host = split_host_port(listen)[0]
+    except ValueError:
+        return None     # not an address: binding it fails with its own clear error
     if is_loopback(host) or (tls and tokens):
         return None
     risks = ([] if tokens else ["send spans into the store"]) + ([] if tls else ["read the spans on the wire"])

@@ -198,8 +198,7 @@ class Collector:
 
     def start(self) -> "Collector":
         self.server.start()
-        if self.udp_clock is not None:
-            self.udp_clock.start()
+        self.udp_clock.start()
         return self
 
     def stop(self, grace: float = 2.0) -> None:
@@ -207,8 +206,7 @@ class Collector:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self.udp_clock is not None:
-            self.udp_clock.stop()
+        self.udp_clock.stop()
         self.server.stop(grace).wait(grace + 1)
         self.service.writer.close()
         self.store.close()

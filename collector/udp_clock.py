@@ -25,7 +25,6 @@ class UdpClockResponder:
         self.answered = 0
         self.sock = None
         self.port = None
-        self.kernel_timestamps = False
         host = host.strip("[]") or "0.0.0.0"
         try:
             family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM,
@@ -41,7 +40,7 @@ class UdpClockResponder:
         sock.settimeout(0.2)
         self.sock = sock
         self.port = sock.getsockname()[1]
-        self.kernel_timestamps = udp.enable_rx_timestamps(sock)
+        udp.enable_rx_timestamps(sock)   # else the monotonic clock is read on wake-up
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="crosstrace-udp-clock", daemon=True)
 

@@ -22,17 +22,12 @@ import sys
 import threading
 import time
 
+from .proto.endpoint import split_host_port
+
 _POLL_S = 0.1           # how often blocked threads look at the stop flag
 _CHUNK = 65536
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
 _ANCILLARY = socket.CMSG_SPACE(16)
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _receive(sock: socket.socket) -> tuple[bytes, float]:
@@ -146,7 +141,7 @@ class DelayProxy:
                  listen: str = "127.0.0.1:0", seed: int | None = None, connect_timeout_s: float = 5.0):
         if min(up_ms, down_ms, jitter_ms) < 0:
             raise ValueError("delays and jitter must not be negative")
-        self.upstream = _split(upstream)
+        self.upstream = split_host_port(upstream)
         self.up_s, self.down_s, self.jitter_s = up_ms / 1000, down_ms / 1000, jitter_ms / 1000
         self.connect_timeout_s = connect_timeout_s
         self._random = random.Random(seed)
@@ -155,7 +150,7 @@ class DelayProxy:
         self._connections: list[_Connection] = []
         self.connections = 0
         self.bytes_forwarded = 0
-        host, port = _split(listen)
+        host, port = split_host_port(listen)
         self._server = socket.create_server((host, port))
         self._server.settimeout(_POLL_S)
         self.address = f"{host}:{self._server.getsockname()[1]}"

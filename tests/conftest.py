@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -33,3 +34,18 @@ def tracer_env(collector: CollectorProcess, node_id: str, **extra) -> dict:
     env = {"CROSSTRACE_ENDPOINT": collector.address, "CROSSTRACE_NODE_ID": node_id}
     env.update({f"CROSSTRACE_{k.upper()}": str(v) for k, v in extra.items()})
     return env
+
+
+@pytest.fixture(scope="session")
+def rpc_store(tmp_path_factory):
+    """A real store, made once: the RPC-chain demo workload (three processes, three clocks)."""
+    from crosstrace.demo import Workers, rpc_chain
+
+    store = str(tmp_path_factory.mktemp("rpc") / "store.db")
+    with CollectorProcess(store) as collector:
+        workers = Workers(collector, epoch_ns=time.monotonic_ns())
+        try:
+            rpc_chain.run(workers, lambda message: None, requests=8)
+        finally:
+            workers.stop_all()
+    return store

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -125,22 +124,6 @@ max = "1ms"
     compute = by_rule["compute <= 80ms"]
     assert compute["ok"] and compute["measured"] == 79 * MS                           # on the critical path
     assert by_rule["no such span <= 1ms"]["status"] == "no_data" and not by_rule["no such span <= 1ms"]["ok"]
-
-
-@pytest.fixture(scope="module")
-def rpc_store(tmp_path_factory):
-    """A real store: the RPC-chain demo workload (three processes, three clocks)."""
-    from crosstrace.demo import Workers, run_rpc_chain
-    from crosstrace.launch import CollectorProcess
-
-    store = str(tmp_path_factory.mktemp("rpc") / "store.db")
-    with CollectorProcess(store) as collector:
-        workers = Workers(collector, epoch_ns=time.monotonic_ns())
-        try:
-            run_rpc_chain(workers, 8, lambda message: None)
-        finally:
-            workers.stop_all()
-    return store
 
 
 def crosstrace(*args, timeout=120):

@@ -15,7 +15,6 @@ from crosstrace.collector.report import Analysed, trace_details, trace_summaries
 from crosstrace.collector.views import html
 
 from .test_analysis_units import build, gpipe, straggler_step
-from .test_budget import rpc_store  # noqa: F401  (a fixture: a real store of the RPC-chain demo)
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

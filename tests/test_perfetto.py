@@ -14,7 +14,6 @@ from crosstrace.collector.views import perfetto
 from crosstrace.proto.semconv import Kind
 
 from .test_analysis_units import MS, Spans, build, p2p, straggler_step
-from .test_budget import rpc_store  # noqa: F401  (a fixture: a real store of the RPC-chain demo)
 
 
 def mixed_table():

@@ -19,6 +19,7 @@ import grpc
 
 from ..clock_sync import ntp, ptp, udp
 from ..proto import pb
+from ..proto.endpoint import split_host_port
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -100,7 +101,7 @@ class _UdpChannel:
         self.failed_bursts = 0
         self.sock = None
         try:
-            host, port = _host_port(endpoint)
+            host, port = split_host_port(endpoint)
             family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
             sock = socket.socket(family, socket.SOCK_DGRAM)
             sock.connect(address)
@@ -148,15 +149,6 @@ class _UdpChannel:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-
-
-def _host_port(endpoint: str) -> tuple[str, int]:
-    """The gRPC target "host:port", "[v6]:port" or "dns:///host:port" as (host, port)."""
-    target = endpoint.split("///", 1)[-1]
-    host, sep, port = target.rpartition(":")
-    if not sep:
-        raise ValueError(f"endpoint {endpoint!r} has no port")
-    return host.strip("[]"), int(port)
 
 
 class _SourceReader:

@@ -51,6 +51,11 @@ class Config:
     tls_key: str = ""
     token: str = dataclasses.field(default="", repr=False)  # never printed
 
+    @property
+    def uses_tls(self) -> bool:
+        """TLS to the collector: asked for, or implied by a CA or a client certificate."""
+        return bool(self.tls or self.tls_ca or self.tls_cert)
+
     @classmethod
     def from_env(cls, **overrides) -> "Config":
         """Arguments win over CROSSTRACE_* variables, which win over the defaults."""

@@ -14,7 +14,6 @@ A relay (`crosstrace collector --forward-to`) hands other tracers' batches on th
 `forward()`, on the same stream, spool and acks.
 """
 import collections
-import ipaddress
 import logging
 import os
 import socket
@@ -24,6 +23,7 @@ import time
 import grpc
 
 from ..proto import pb
+from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, piggyback_sample
 from .encode import encode_spans
 from .span import THREAD_IDS
@@ -358,7 +358,7 @@ class Exporter:
             return None
         export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
                                                    response_deserializer=pb.ExportAck.FromString)
-        requests = _RequestStream(self._spool)
+        requests = _RequestStream()
         with self._lock:
             for entry in self._unacked.values():  # resend in order; the collector dedups
                 requests.append(entry)
@@ -412,7 +412,7 @@ class Exporter:
             elif not self._stopping:
                 details = err.details() or ""
                 hint = ""
-                if "Socket closed" in details and not (self.cfg.tls or self.cfg.tls_ca or self.cfg.tls_cert):
+                if "Socket closed" in details and not self.cfg.uses_tls:
                     hint = " (the collector closed a plaintext connection: if it serves TLS, set CROSSTRACE_TLS_CA)"
                 self._warn_once(f"rpc{code}", f"crosstrace: export stream to {self.cfg.endpoint} "
                                 f"failed ({code.name}: {details}){hint}; will retry")
@@ -461,7 +461,7 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 def open_channel(cfg) -> grpc.Channel:
     """A channel to cfg.endpoint: TLS when cfg.tls/tls_ca/tls_cert is set (mutual with a
     client certificate), and the bearer token on every call when cfg.token is set."""
-    if cfg.tls or cfg.tls_ca or cfg.tls_cert:
+    if cfg.uses_tls:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=_read_pem(cfg.tls_ca, "CROSSTRACE_TLS_CA"),
             private_key=_read_pem(cfg.tls_key, "CROSSTRACE_TLS_KEY"),
@@ -469,12 +469,19 @@ def open_channel(cfg) -> grpc.Channel:
         channel = grpc.secure_channel(cfg.endpoint, credentials, options=_CHANNEL_OPTIONS)
     else:
         channel = grpc.insecure_channel(cfg.endpoint, options=_CHANNEL_OPTIONS)
-        if cfg.token and not _is_loopback(cfg.endpoint):
+        if cfg.token and not _endpoint_is_loopback(cfg.endpoint):
             log.warning("crosstrace: sending the bearer token to %s without TLS: anyone on the path can "
                         "read it (set CROSSTRACE_TLS_CA)", cfg.endpoint)
     if cfg.token:
         channel = grpc.intercept_channel(channel, _BearerToken(cfg.token))
     return channel
+
+
+def _endpoint_is_loopback(endpoint: str) -> bool:
+    try:
+        return is_loopback(split_host_port(endpoint)[0])
+    except ValueError:
+        return False
 
 
 def _read_pem(path: str, option: str) -> bytes | None:
@@ -485,16 +492,6 @@ def _read_pem(path: str, option: str) -> bytes | None:
             return f.read()
     except OSError as exc:
         raise OSError(f"cannot read {option}={path!r}: {exc.strerror}") from None
-
-
-def _is_loopback(endpoint: str) -> bool:
-    host = endpoint.split("///", 1)[-1].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
@@ -525,8 +522,7 @@ class _RequestStream:
     until the exporter appends a batch or closes the stream. Spooled batches are read
     from disk as they are sent. `sent` lists what went out, in order: acks answer it."""
 
-    def __init__(self, spool: Spool | None):
-        self._spool = spool
+    def __init__(self):
         self._items: collections.deque = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
@@ -563,7 +559,7 @@ class _RequestStream:
                 continue
             data = entry.data
             if data is None:
-                data = self._spool.read(entry.spooled) if entry.spooled is not None else None
+                data = Spool.read(entry.spooled) if entry.spooled is not None else None
                 if data is None:
                     continue
             self._sent.append(entry)

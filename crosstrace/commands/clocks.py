@@ -2,9 +2,7 @@
 import json
 import sys
 
-from ..collector import spantable
-from ..collector.align import align, fit_models
-from ..collector.report import clocks_section
+from ..collector.report import analyse_store, clocks_section
 from ..collector.store import Store
 
 
@@ -23,9 +21,7 @@ def clocks(store_path: str) -> tuple[dict, dict]:
     """(clocks section, summary of the causality check) for a store."""
     store = Store(store_path, readonly=True)
     try:
-        table = spantable.load(store)
-        models = fit_models(store)
-        alignment = align(table, models, int(store.meta("epoch_offset_ns") or 0))
+        alignment = analyse_store(store).alignment
     finally:
         store.close()
     return clocks_section(alignment.models), {"facts": alignment.facts, "violations": alignment.violations}

@@ -92,8 +92,8 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
 
 def _drift(clock: dict) -> str:
     """The recovered drift with its bound; a run too short to tell drift from noise says so."""
-    bound = clock.get("drift_bound_ppm", 0.0)
-    if bound > 100:
+    bound = clock["drift_bound_ppm"]          # None: unbounded (too few samples apart)
+    if bound is None or bound > 100:
         first, last = clock.get("sampled_local_ns") or (0, 0)
         return f"unresolved ({(last - first) / 1e9:.1f} s of samples)"
     return f"{clock['drift_ppm']:+.2f} ± {bound:.2f} ppm"

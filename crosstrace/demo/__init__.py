@@ -11,24 +11,12 @@ import os
 import time
 
 from ..launch import CollectorProcess
-from .workers import SimClock, Workers
+from .workers import Workers
 
 
-def run_rpc_chain(workers: Workers, requests: int, say) -> None:
-    say(f"rpc: frontend -> gateway -> model over gRPC, {requests} requests, three clocks")
-    mod = "crosstrace.demo.rpc_chain"
-    model = workers.start(["-m", mod, "--role", "model"], workers.env("model", SimClock(80_000_000, 12.0)),
-                          wait_listening=True)
-    gateway = workers.start(["-m", mod, "--role", "gateway", "--upstream", model],
-                            workers.env("gateway", SimClock(-120_000_000, -25.0)), wait_listening=True)
-    workers.start(["-m", mod, "--role", "frontend", "--upstream", gateway, "--requests", str(requests)],
-                  workers.env("frontend", SimClock(250_000_000, 40.0)))
-    workers.wait(workers.procs[-1], 120)
-
-
-# name -> (module with run(workers, say) -> dict, needs torch, what it shows)
+# name -> (module with run(workers, say, **options) -> dict, needs torch, what it shows)
 WORKLOADS = {
-    "rpc": (None, False, "frontend -> gateway -> model over gRPC, three clocks"),
+    "rpc": ("crosstrace.demo.rpc_chain", False, "frontend -> gateway -> model over gRPC, three clocks"),
     "edge": ("crosstrace.demo.edge", True, "edge device -> delaying link -> cloud model, clock off by 100s of ms"),
     "ddp": ("crosstrace.demo.ddp", True, "4-rank DDP training on gloo with one straggler"),
     "pipeline": ("crosstrace.demo.pipeline", True, "2-stage pipeline-parallel training"),
@@ -54,6 +42,7 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
         if os.path.exists(store + suffix):
             os.remove(store + suffix)
     injected, skipped = {}, {}
+    options = {"rpc": {"requests": requests}}
     say(f"starting a collector (store {store})")
     with CollectorProcess(store) as collector:
         say(f"collector listening on {collector.address}")
@@ -66,12 +55,8 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
                     say(f"{name}: skipped, {skipped[name]}")
                     continue
                 started = time.monotonic()
-                if module is None:
-                    run_rpc_chain(workers, requests, say)
-                    injected[name] = {"requests": requests}
-                else:
-                    say(f"{name}: {what}")
-                    injected[name] = importlib.import_module(module).run(workers, say)
+                say(f"{name}: {what}")
+                injected[name] = importlib.import_module(module).run(workers, say, **options.get(name, {}))
                 say(f"{name}: done in {time.monotonic() - started:.1f} s")
         finally:
             workers.stop_all()

@@ -41,6 +41,22 @@ def serve(listen: str, handle) -> None:
     server.stop(1).wait(2)
 
 
+def run(workers, say, requests: int = 20) -> dict:
+    """The workload in `crosstrace demo`: the three roles as worker processes, three clocks."""
+    from .workers import SimClock
+
+    say(f"rpc: frontend -> gateway -> model over gRPC, {requests} requests, three clocks")
+    mod = "crosstrace.demo.rpc_chain"
+    model = workers.start(["-m", mod, "--role", "model"], workers.env("model", SimClock(80_000_000, 12.0)),
+                          wait_listening=True)
+    gateway = workers.start(["-m", mod, "--role", "gateway", "--upstream", model],
+                            workers.env("gateway", SimClock(-120_000_000, -25.0)), wait_listening=True)
+    workers.start(["-m", mod, "--role", "frontend", "--upstream", gateway, "--requests", str(requests)],
+                  workers.env("frontend", SimClock(250_000_000, 40.0)))
+    workers.wait(workers.procs[-1], 120)
+    return {"requests": requests}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=("frontend", "gateway", "model"), required=True)

@@ -1,0 +1,27 @@
+"""Endpoints as tracers, collectors and relays name them: one parser and one loopback test
+for all of them, so that a warning and a connection agree on what an address means."""
+import ipaddress
+import socket
+
+
+def split_host_port(endpoint: str) -> tuple[str, int]:
+    """"host:port", "[v6]:port" or a gRPC target "dns:///host:port" as (host, port)."""
+    target = endpoint.split("///", 1)[-1]
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {endpoint!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name, resolved) reaches this machine only."""
+    host = host.strip("[]")
+    if not host:
+        return False                # all interfaces
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            return False
