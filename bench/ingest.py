@@ -143,11 +143,8 @@ def run_replay(n: int, producers: int, endpoint: str) -> tuple[float, bool]:
 
 
 def stored(path: str) -> int:
-    store = Store(path, readonly=True)
-    try:
+    with Store(path, readonly=True) as store:
         return store.span_count()
-    finally:
-        store.close()
 
 
 def main() -> None:

@@ -86,6 +86,12 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _init_meta(self) -> None:
         # The reference timeline is the collector's monotonic clock; this offset puts it on
         # the Unix epoch for exports. Set once, when the store is created.

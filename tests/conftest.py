@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from crosstrace.collector import spantable
+from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,3 +51,13 @@ def rpc_store(tmp_path_factory):
         finally:
             workers.stop_all()
     return store
+
+
+def span_count(store_path: str) -> int:
+    with Store(store_path, readonly=True) as store:
+        return store.span_count()
+
+
+def load_table(store_path: str):
+    with Store(store_path, readonly=True) as store:
+        return spantable.load(store)

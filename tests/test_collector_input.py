@@ -11,6 +11,8 @@ import pytest
 from crosstrace.collector.store import Store
 from crosstrace.proto import pb
 
+from .conftest import span_count
+
 EXPORT = "/crosstrace.v1.Collector/Export"
 
 
@@ -43,26 +45,15 @@ def export(address: str, messages: list[bytes], timeout: float = 10):
         return acks, None
 
 
-def stored(collector) -> int:
-    store = Store(collector.store, readonly=True)
-    try:
-        return store.span_count()
-    finally:
-        store.close()
-
-
 def rejects(collector) -> dict:
-    store = Store(collector.store, readonly=True)
-    try:
+    with Store(collector.store, readonly=True) as store:
         return store.rejects()
-    finally:
-        store.close()
 
 
 def test_good_batch_is_acked_and_stored(collector):
     acks, err = export(collector.address, [batch(100).SerializeToString()])
     assert err is None and [(a.seq, a.accepted) for a in acks] == [(1, 100)]
-    assert stored(collector) == 100
+    assert span_count(collector.store) == 100
 
 
 def test_undecodable_message_gets_invalid_argument_and_collector_stays_up(collector):
@@ -101,7 +92,7 @@ def test_bad_spans_are_rejected_individually_and_the_rest_stored(collector):
     assert ack.accepted == 4
     assert dict(ack.rejected) == {"end_before_start": 1, "absurd_timestamp": 2, "invalid_span_id": 1,
                                   "unknown_kind": 1, "bad_name_index": 1}
-    assert stored(collector) == 4
+    assert span_count(collector.store) == 4
     assert rejects(collector)["end_before_start"] == 1
 
 
@@ -131,7 +122,7 @@ def test_out_of_range_counters_are_refused_and_the_collector_goes_on(collector):
         acks, err = export(collector.address, [bad.SerializeToString()])
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most" in err.details()
     acks, err = export(collector.address, [batch(50, node="good").SerializeToString()])
-    assert err is None and acks[0].accepted == 50 and stored(collector) == 50
+    assert err is None and acks[0].accepted == 50 and span_count(collector.store) == 50
 
 
 def test_missing_node_id_is_invalid_argument(collector):
@@ -157,7 +148,7 @@ def test_resent_batch_is_stored_once(collector):
     # The same span ids in another trace are different spans.
     acks, err = export(collector.address, [batch(50, seq=3, trace_hi=8).SerializeToString()])
     assert acks[0].accepted == 50
-    assert stored(collector) == 120
+    assert span_count(collector.store) == 120
 
 
 def test_duplicates_within_one_batch_are_stored_once(collector):
@@ -192,13 +183,13 @@ def test_stream_dying_mid_batch_stores_the_complete_batches_only(collector):
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
                      + _h2_frame(1, 0x4, 1, headers) + data_frames)
         deadline = time.monotonic() + 10
-        while stored(collector) < 11 and time.monotonic() < deadline:
+        while span_count(collector.store) < 11 and time.monotonic() < deadline:
             time.sleep(0.05)
     time.sleep(0.3)
-    assert stored(collector) == 11
+    assert span_count(collector.store) == 11
     acks, err = export(collector.address, [batch(2, seq=10, trace_hi=5).SerializeToString()])
     assert err is None and acks[0].accepted == 2
-    assert stored(collector) == 13
+    assert span_count(collector.store) == 13
 
 
 @pytest.mark.parametrize("count", [0])

@@ -7,19 +7,9 @@ import pytest
 from opentelemetry import trace
 
 import crosstrace
-from crosstrace.collector import spantable
-from crosstrace.collector.store import Store
 from crosstrace.proto.semconv import Kind, Status
 
-from .conftest import run_python, tracer_env
-
-
-def load(collector):
-    store = Store(collector.store, readonly=True)
-    try:
-        return spantable.load(store)
-    finally:
-        store.close()
+from .conftest import load_table, run_python, tracer_env
 
 
 def by_name(table):
@@ -47,7 +37,7 @@ def test_nesting_attributes_events_links_status(provider, collector):
     assert trace.get_current_span() is trace.INVALID_SPAN
     assert provider.force_flush(10_000)
 
-    t = load(collector)
+    t = load_table(collector.store)
     rows = by_name(t)
     o, i, m = rows["outer"], rows["inner"], rows["manual"]
     assert t.parent_id[o] == 0 and t.parent_id[i] == t.span_id[o] and t.parent_id[m] == t.span_id[o]
@@ -67,7 +57,7 @@ def test_exception_is_recorded_and_reraised(provider, collector):
         with tracer.start_as_current_span("fails"):
             1 / 0
     assert provider.force_flush(10_000)
-    t = load(collector)
+    t = load_table(collector.store)
     row = by_name(t)["fails"]
     assert t.status[row] == Status.ERROR
     event = t.extras[row]["events"][0]
@@ -84,7 +74,7 @@ def test_decorator_starts_one_span_per_call(provider, collector):
     ids = {work(i) for i in range(3)}
     assert len(ids) == 3
     assert provider.force_flush(10_000)
-    t = load(collector)
+    t = load_table(collector.store)
     assert sorted(t.span_id[t.name == t.names.index("work")].tolist()) == sorted(ids)
 
 
@@ -120,7 +110,7 @@ def test_entry_point_traces_plain_otel_code_without_changes(collector):
         print(type(trace.get_tracer_provider()).__module__, trace.get_tracer_provider().force_flush())
     """, env=env)
     assert out.stdout.split() == ["crosstrace.tracer.provider", "True"]
-    t = load(collector)
+    t = load_table(collector.store)
     assert sorted(t.names[i] for i in t.name) == ["nested", "plain-otel"]
     assert t.nodes == ["entry-point"]
 
@@ -134,7 +124,7 @@ def test_spans_are_flushed_at_interpreter_exit(collector):
                 pass
         # no shutdown(), no flush: the atexit hook must deliver them
     """, env=tracer_env(collector, "exit-node"))
-    assert len(load(collector)) == 500
+    assert len(load_table(collector.store)) == 500
 
 
 def test_force_flush_reports_failure_when_collector_is_unreachable():
@@ -150,7 +140,7 @@ def test_json_unfriendly_attribute_values_survive(provider, collector):
     with tracer.start_as_current_span("odd", attributes={"bytes": b"\x01\x02", "big": 1 << 70, "obj": object()}):
         pass
     assert provider.force_flush(10_000)
-    t = load(collector)
+    t = load_table(collector.store)
     attrs = t.attributes[by_name(t)["odd"]]
     assert attrs["bytes"] == "0102" and attrs["big"] == 1 << 70 and attrs["obj"].startswith("<object")
     json.dumps(attrs)

@@ -13,11 +13,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until
 from crosstrace.proto import pb
 
-from .conftest import run_python, tracer_env
+from .conftest import run_python, span_count, tracer_env
 from .test_collector_input import EXPORT, batch
 
 TOKEN = "t0k3n-for-the-edge-camera-0001"
@@ -73,14 +72,6 @@ def pki(tmp_path_factory) -> dict:
     return out
 
 
-def stored(path: str) -> int:
-    store = Store(path, readonly=True)
-    try:
-        return store.span_count()
-    finally:
-        store.close()
-
-
 def export(channel, metadata=None):
     """One batch over a raw Export stream: (acks, error)."""
     call = channel.stream_stream(EXPORT, request_serializer=None, response_deserializer=pb.ExportAck.FromString)
@@ -104,7 +95,7 @@ def test_tokens_missing_or_wrong_are_unauthenticated(tmp_path, pki):
                                        request_serializer=None, response_deserializer=None)
             with pytest.raises(grpc.RpcError) as otlp_err:
                 otlp(b"", timeout=10)
-            assert stored(collector.store) == 0          # nothing got in
+            assert span_count(collector.store) == 0          # nothing got in
             acks, error = export(channel, [("authorization", f"Bearer {OTHER_TOKEN}")])
     assert missing.code() == grpc.StatusCode.UNAUTHENTICATED and "missing bearer token" in missing.details()
     for err in (wrong, not_bearer):
@@ -112,7 +103,7 @@ def test_tokens_missing_or_wrong_are_unauthenticated(tmp_path, pki):
     for err in (clock_err.value, otlp_err.value):
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     assert error is None and [a.accepted for a in acks] == [3]
-    assert stored(collector.store) == 3
+    assert span_count(collector.store) == 3
 
 
 CLIENT = """
@@ -138,7 +129,7 @@ def test_tracer_over_tls_with_token_delivers(tmp_path, pki):
         env = tracer_env(collector, "secure-edge", tls_ca=pki["ca"], token=TOKEN)
         out = run_python(CLIENT, env, timeout=60, args=("20000",))
         assert out.stdout.strip() == "flushed True", out.stderr
-        assert stored(collector.store) == 50
+        assert span_count(collector.store) == 50
     assert not [line for line in collector.stderr_lines if "warning" in line]   # loopback: no warning
 
 
@@ -150,7 +141,7 @@ def test_refused_tracers_store_nothing_and_say_why(tmp_path, pki, case):
                    "wrong_token": dict(tls_ca=pki["ca"], token="definitely-the-wrong-token")}[case]
         out = run_python(CLIENT, tracer_env(collector, case, **options), timeout=60, args=("2000",))
         assert out.stdout.strip() == "flushed False"     # the traced program carried on
-        assert stored(collector.store) == 0
+        assert span_count(collector.store) == 0
     expected = {"wrong_ca": "CERTIFICATE_VERIFY_FAILED", "plaintext": "if it serves TLS, set CROSSTRACE_TLS_CA",
                 "wrong_token": "refuses this tracer (UNAUTHENTICATED: invalid bearer token)"}[case]
     assert expected in out.stderr, out.stderr
@@ -163,12 +154,12 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path, pki):
         with grpc.secure_channel(collector.address, anonymous) as channel:
             _, error = export(channel, [("authorization", f"Bearer {TOKEN}")])
         assert error.code() == grpc.StatusCode.UNAVAILABLE
-        assert stored(collector.store) == 0
+        assert span_count(collector.store) == 0
         env = tracer_env(collector, "mtls-edge", tls_ca=pki["ca"], tls_cert=pki["client_cert"],
                          tls_key=pki["client_key"], token=TOKEN)
         out = run_python(CLIENT, env, timeout=60, args=("20000",))
         assert out.stdout.strip() == "flushed True", out.stderr
-        assert stored(collector.store) == 50
+        assert span_count(collector.store) == 50
 
 
 def test_listening_beyond_loopback_unprotected_warns(tmp_path, pki):

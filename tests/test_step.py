@@ -6,13 +6,11 @@ import json
 import pytest
 
 import crosstrace
-from crosstrace.collector import spantable
-from crosstrace.collector.store import Store
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind, Status
 from crosstrace.tracer.step import step_trace_id
 
-from .conftest import run_python, tracer_env
+from .conftest import load_table, run_python, tracer_env
 
 TRAINING_LOOP = """
 import crosstrace
@@ -47,14 +45,6 @@ provider.shutdown()
 """
 
 
-def load(collector):
-    store = Store(collector.store, readonly=True)
-    try:
-        return spantable.load(store)
-    finally:
-        store.close()
-
-
 def spans_of(table) -> list[dict]:
     return [{"name": table.names[table.name[i]], "kind": int(table.kind[i]), "node": table.nodes[table.node[i]],
              "trace": table.trace_ids[table.trace[i]], "span_id": int(table.span_id[i]),
@@ -80,7 +70,7 @@ def test_ranks_agree_on_step_traces_without_talking(collector):
     for node, offset in clocks.items():
         job = "other" if node == "other-job" else "train-job"
         run_python(TRAINING_LOOP, env=tracer_env(collector, node, job_id=job, sim_clock_offset_ns=offset))
-    spans = spans_of(load(collector))
+    spans = spans_of(load_table(collector.store))
     steps = {(s["node"], s["a"][sc.STEP]): s for s in spans if s["name"] == "step"}
     traced = [0, 2, 4, 6, 7, 8, 9, 20, 30]
     for node in clocks:

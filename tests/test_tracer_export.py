@@ -8,15 +8,7 @@ from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until
 from crosstrace.proto import pb
 
-from .conftest import run_python, tracer_env
-
-
-def count(store_path: str) -> int:
-    store = Store(store_path, readonly=True)
-    try:
-        return store.span_count()
-    finally:
-        store.close()
+from .conftest import run_python, span_count, tracer_env
 
 
 SPANS_SCRIPT = """
@@ -51,7 +43,7 @@ def test_sigkill_after_ack_loses_no_acked_span(tmp_path):
             pass
     assert provider.force_flush(20_000)  # every span above is acked, hence committed
     collector.kill()                      # SIGKILL: no shutdown, no checkpoint
-    assert count(path) == 20000
+    assert span_count(path) == 20000
     provider.shutdown(timeout_millis=100)
 
 
@@ -74,11 +66,11 @@ def test_collector_restart_mid_run_delivers_everything_once(tmp_path):
     collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")
     try:
         assert provider.force_flush(30_000)
-        assert count(path) == 10000
+        assert span_count(path) == 10000
     finally:
         provider.shutdown()
         collector.stop()
-    assert count(path) == 10000
+    assert span_count(path) == 10000
 
 
 def test_full_queue_drops_and_counts_and_the_report_shows_it(collector):
@@ -161,7 +153,7 @@ def test_spans_ended_on_other_threads_arrive(collector):
     [t.join(30) for t in threads]
     assert provider.force_flush(20_000)
     provider.shutdown()
-    assert wait_until(lambda: count(collector.store) == 2000, 5)
+    assert wait_until(lambda: span_count(collector.store) == 2000, 5)
 
 
 def test_exit_probes_the_clock_once_more_after_the_last_span(collector):
