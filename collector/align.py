@@ -21,13 +21,11 @@ from ..clock_sync.fit import fit
 from ..clock_sync.model import ClockModel, line, unknown
 from ..proto import pb
 from ..proto import semconv as sc
-from .matching import Matches, match
+from .matching import N_X_N, Matches, collective_pattern, match
 from .spantable import SpanTable
 
 # The one table of assumptions alignment makes.
 ASSUMED_COLLECTOR_UTC_ERROR_NS = 10_000_000   # the collector's wall clock vs UTC, when nothing measures it
-# Collectives whose every participant waits for all the others (Scalasca's "N x N").
-N_X_N_OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "barrier", "monitoredbarrier")
 
 UNBOUNDED_NS = np.iinfo(np.int64).max // 4
 UTC = "utc"
@@ -160,7 +158,7 @@ def causality(table: SpanTable, matches: Matches) -> tuple[np.ndarray, np.ndarra
         parts.append((matches.p2p[:, 0], False, matches.p2p[:, 1], True))
     rows_a, rows_b = [], []
     for members, op in zip(matches.collective_members(), matches.coll_op):
-        if not _is_n_x_n(op) or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
+        if collective_pattern(op) != N_X_N or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
                                                         for r in members.tolist()):
             continue
         a, b = np.meshgrid(members, members, indexing="ij")
@@ -177,10 +175,6 @@ def causality(table: SpanTable, matches: Matches) -> tuple[np.ndarray, np.ndarra
     b_end = np.concatenate([np.full(len(p[2]), p[3]) for p in parts])
     other_node = table.node[row_a] != table.node[row_b]    # one clock cannot contradict itself
     return row_a[other_node], a_end[other_node], row_b[other_node], b_end[other_node]
-
-
-def _is_n_x_n(op: str) -> bool:
-    return op.lower().replace("_", "").startswith(N_X_N_OPS)
 
 
 # -- alignment ---------------------------------------------------------------------------------

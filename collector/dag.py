@@ -19,7 +19,8 @@ Who joins and who is released depends on the collective (Scalasca's wait-state p
 N x N ops (all_reduce, all_gather, reduce_scatter, all_to_all, barrier): everyone's entry
 joins, everyone waits for the last; ONE_TO_ALL ops: only the root's entry joins, so the
 others wait for the root ("late broadcast"); ALL_TO_ONE ops: everyone's entry joins and
-only the root waits ("early reduce"). Without a known root they count as N x N.
+only the root waits ("early reduce"). Without a known root they count as N x N. The table
+of ops is matching.COLLECTIVE_PATTERNS.
 
 All of it is built with array operations over the SpanTable (all traces at once).
 Edges only join spans of the same trace; a partner that is missing, or recorded under
@@ -33,12 +34,8 @@ import numpy as np
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .align import Alignment
-from .matching import Matches
+from .matching import ALL_TO_ONE, N_X_N, ONE_TO_ALL, Matches, collective_pattern
 from .spantable import SpanTable
-
-
-ONE_TO_ALL = ("broadcast", "scatter")
-ALL_TO_ONE = ("reduce", "gather")
 
 
 class Edge(IntEnum):
@@ -197,9 +194,9 @@ def _collective_roles(table: SpanTable, matches: Matches, join_key: np.ndarray, 
     the join release it? A rooted op whose root is not among its participants in this
     trace counts as N x N."""
     members = matches.coll_rows
-    op = np.array([o.lower() for o in matches.coll_op], dtype=object)[matches.coll_instance] \
+    pattern = np.array([collective_pattern(o) or N_X_N for o in matches.coll_op], dtype=object)[matches.coll_instance] \
         if len(members) else np.empty(0, dtype=object)
-    one_to_all, all_to_one = np.isin(op, ONE_TO_ALL), np.isin(op, ALL_TO_ONE)
+    one_to_all, all_to_one = pattern == ONE_TO_ALL, pattern == ALL_TO_ONE
     rank = table.rank_of_node[table.node[members]] if len(table.resources) else np.full(len(members), -1)
     roots = table.attr(sc.COLL_ROOT, members)
     is_root = np.array([r is not None and r == k for r, k in zip(roots, rank.tolist())], dtype=bool)

@@ -15,6 +15,23 @@ from .spantable import SpanTable
 
 _NONE = np.empty(0, dtype=np.int64)
 
+# Who waits for whom in a collective, by op name (lower case, no underscores, as a prefix:
+# all_gather_into_tensor is an allgather): the one table the DAG and alignment both read.
+N_X_N, ONE_TO_ALL, ALL_TO_ONE = "n_x_n", "one_to_all", "all_to_one"
+COLLECTIVE_PATTERNS = (("allreduce", N_X_N), ("allgather", N_X_N), ("reducescatter", N_X_N), ("alltoall", N_X_N),
+                       ("barrier", N_X_N), ("monitoredbarrier", N_X_N),
+                       ("broadcast", ONE_TO_ALL), ("scatter", ONE_TO_ALL), ("reduce", ALL_TO_ONE), ("gather", ALL_TO_ONE))
+
+
+def collective_pattern(op: str) -> str | None:
+    """N_X_N (everyone waits for the last to enter), ONE_TO_ALL (the others wait for the
+    root), ALL_TO_ONE (the root waits for everyone), or None for an op not in the table."""
+    name = op.lower().replace("_", "")
+    for prefix, pattern in COLLECTIVE_PATTERNS:
+        if name.startswith(prefix):
+            return pattern
+    return None
+
 
 @dataclasses.dataclass
 class Matches:
