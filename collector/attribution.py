@@ -122,6 +122,17 @@ def _resolve(cat: np.ndarray, pipeline: np.ndarray) -> np.ndarray:
     return np.where(cat == GAP, np.where(pipeline, C["bubble"], C["host.overhead"]), cat)
 
 
+def rank_categories(cat: np.ndarray, pipeline: np.ndarray) -> np.ndarray:
+    """Categories of pieces (or SELF_TIME of spans) as a rank's breakdown names them: on a
+    pipeline rank, waiting for a neighbour stage and unexplained time are bubble."""
+    return _resolve(np.where(pipeline & (cat == C["p2p.wait"]), GAP, cat), pipeline)
+
+
+def self_categories(kind: np.ndarray, pipeline: np.ndarray) -> np.ndarray:
+    """What a span's own time counts as (SELF_TIME), per rank."""
+    return rank_categories(_SELF[np.asarray(kind, dtype=np.int64)], pipeline)
+
+
 def _uncertain(cat, length, error):
     return np.where((error > 0) & (length <= error), C["clock.uncertainty"], cat)
 
@@ -407,9 +418,7 @@ def _per_rank(table: SpanTable, dag: Dag, error, group, group_trace, group_pipel
     span = int((dag.trace_end - dag.trace_start).max()) if len(dag.trace_start) else 0
     rows, s, e, cat = pieces(table, dag, start, end, error)
     rows, s, e, cat = _minus_children(table, dag, rows, s, e, cat, dag.trace_start[table.trace], span)
-    on_pipeline = group_pipeline[group[rows]]
-    cat = np.where(on_pipeline & (cat == C["p2p.wait"]), GAP, cat)   # waiting for a neighbour stage
-    cat = _resolve(cat, on_pipeline)
+    cat = rank_categories(cat, group_pipeline[group[rows]])
     g = group[rows]
     per_rank, covered = _exclusive(g, s, e, cat, len(window), dag.trace_start[group_trace[g]], span)
     gap = np.maximum(window - covered, 0)

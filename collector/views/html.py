@@ -21,9 +21,6 @@ COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b",
            "collective.wait": "#e15759", "collective.transfer": "#ff9d9a", "p2p.wait": "#b07aa1",
            "p2p.transfer": "#d4a6c8", "bubble": "#edc948", "host.overhead": "#bab0ac",
            "clock.uncertainty": "#9c755f", "remote": "#e6e6e6"}
-_KIND_CATEGORY = {Kind.COMPUTE: "compute", Kind.DATA: "data", Kind.COLLECTIVE: "collective.transfer",
-                  Kind.SEND: "p2p.transfer", Kind.RECV: "p2p.transfer", Kind.RPC_CLIENT: "remote",
-                  Kind.RPC_SERVER: "host.overhead", Kind.INTERNAL: "host.overhead"}
 WIDTH, LABEL, ROW, MAX_DEPTH = 1100, 170, 14, 6
 
 STYLE = """
@@ -79,7 +76,7 @@ def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
     return f'<svg width="{width + 2:.0f}" height="{height}">{"".join(parts)}</svg>'
 
 
-def _timeline(trace: dict, index: int, analysed, at) -> str:
+def _timeline(trace: dict, index: int, analysed, at, pieces) -> str:
     """One trace: a lane per node, spans by nesting depth, the critical path on top."""
     t, dag, paths = analysed.table, at.dag, at.paths
     n = len(t)
@@ -113,16 +110,18 @@ def _timeline(trace: dict, index: int, analysed, at) -> str:
         parts.append(f'<g class="lane" data-node="{html.escape(t.nodes[k])}">'
                      f'<rect x="0" y="{top[k] - 2}" width="{WIDTH}" height="{lane_height[k] - 2}" fill="#f7f7f7"/>'
                      f'<text x="4" y="{top[k] + 11}" class="lane-label">{html.escape(label[:26])}</text></g>')
-    for r, d in zip(rows.tolist(), depth.tolist()):
+    # Colours as the per-rank breakdown counts them (attribution decides, not this view).
+    pipeline = at.group_pipeline[at.group]
+    for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(t.kind[rows], pipeline[rows]).tolist()):
         kind = _kind(int(t.kind[r]))
         y0 = top[int(t.node[r])] + d * ROW
         title = f"{t.names[t.name[r]]} ({kind.name.lower()}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
-        category = _KIND_CATEGORY[kind]
-        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, category, title,
+        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, NAMES[c], title,
                            ' stroke="#fff" stroke-width="0.5"'))
     # Split spans: the wait, transfer and network parts drawn over their spans.
-    p_rows, s, e, cat = attribution.pieces(t, dag, start, end, at.dag.error[0:2 * n:2])
+    p_rows, s, e, cat = pieces
     mine = np.isin(p_rows, rows)
+    cat = attribution.rank_categories(cat, pipeline[p_rows])
     depth_of = dict(zip(rows.tolist(), depth.tolist()))
     for r, a, b, c in zip(p_rows[mine].tolist(), s[mine].tolist(), e[mine].tolist(), cat[mine].tolist()):
         name = NAMES[c]
@@ -211,7 +210,7 @@ def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
     return "".join(out)
 
 
-def _trace_section(title: str, trace: dict, analysed, at) -> str:
+def _trace_section(title: str, trace: dict, analysed, at, pieces) -> str:
     index = analysed.table.trace_ids.index(trace["trace_id"])
     s = trace.get("straggler")
     straggler = ""
@@ -226,7 +225,7 @@ def _trace_section(title: str, trace: dict, analysed, at) -> str:
                       f"{pipe['microbatches']} microbatches).</p>")
     return (f'<section class="trace"><h2>{title}: {html.escape(trace["name"])} <code>{trace["trace_id"][:16]}</code>, '
             f'{fmt_ns(trace["duration_ns"])}, {trace["spans"]} spans on {trace["nodes"]} nodes</h2>{straggler}'
-            f'{_timeline(trace, index, analysed, at)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
+            f'{_timeline(trace, index, analysed, at, pieces)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
 
 
 def render(report: dict, analysed, attributed) -> str:
@@ -236,9 +235,11 @@ def render(report: dict, analysed, attributed) -> str:
     if traces:
         by_duration = sorted(traces, key=lambda tr: tr["duration_ns"])
         slowest, typical = by_duration[-1], by_duration[(len(by_duration) - 1) // 2]
-        body.append(_trace_section("slowest trace", slowest, analysed, attributed))
+        dag, n = attributed.dag, len(analysed.table)     # the spans split at partners and joins, once
+        pieces = attribution.pieces(analysed.table, dag, dag.time[0:2 * n:2], dag.time[1:2 * n:2], dag.error[0:2 * n:2])
+        body.append(_trace_section("slowest trace", slowest, analysed, attributed, pieces))
         if typical is not slowest:
-            body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed))
+            body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed, pieces))
         body += ["<h2>traces: where the critical path goes</h2>", _trace_bars(traces)]
         if report.get("summary"):
             body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"])]
