@@ -96,11 +96,8 @@ def step_cost_us(endpoint: str, n: int = 20000) -> dict:
     import crosstrace
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider as SdkProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-
-    class NoopExporter(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from peers import NoopExporter
 
     sdk = SdkProvider()
     sdk.add_span_processor(BatchSpanProcessor(NoopExporter()))

@@ -24,17 +24,13 @@ from opentelemetry.instrumentation.grpc import client_interceptor as otel_client
 from opentelemetry.instrumentation.grpc import server_interceptor as otel_server_interceptor
 from opentelemetry.instrumentation.grpc.grpcext import intercept_channel as otel_intercept_channel
 from opentelemetry.sdk.trace import TracerProvider as SdkProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from peers import NoopExporter
 
 import crosstrace
 from crosstrace.launch import CollectorProcess
 
 METHOD = "/bench.Echo/Call"
-
-
-class NoopExporter(SpanExporter):
-    def export(self, spans):
-        return SpanExportResult.SUCCESS
 
 
 def echo(request, context):

@@ -16,18 +16,14 @@ import time
 import tracemalloc
 
 from opentelemetry.sdk.trace import TracerProvider as SdkProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from peers import NoopExporter
 
 import crosstrace
 from crosstrace.launch import CollectorProcess
 from crosstrace.tracer.clock import Clock
 from crosstrace.tracer.exporter import ExportQueue
 from crosstrace.tracer.provider import Tracer
-
-
-class NoopExporter(SpanExporter):
-    def export(self, spans):
-        return SpanExportResult.SUCCESS
 
 
 def per_span_us(tracer, n: int) -> tuple[float, float]:

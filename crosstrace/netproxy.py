@@ -17,30 +17,22 @@ import collections
 import random
 import signal
 import socket
-import struct
-import sys
 import threading
 import time
 
+from .clock_sync import udp
 from .proto.endpoint import split_host_port
 
 _POLL_S = 0.1           # how often blocked threads look at the stop flag
 _CHUNK = 65536
-_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
-_ANCILLARY = socket.CMSG_SPACE(16)
 
 
 def _receive(sock: socket.socket) -> tuple[bytes, float]:
     """A chunk and when it arrived (monotonic s): the kernel's receive timestamp where the
-    socket has SO_TIMESTAMPNS on, so that a late wake-up of this thread does not add delay."""
-    data, ancillary, _, _ = sock.recvmsg(_CHUNK, _ANCILLARY)
-    now_mono, now_wall = time.monotonic_ns(), time.time_ns()
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(payload) >= 16:
-            sec, nsec = struct.unpack_from("qq", payload)
-            age_ns = max(0, now_wall - (sec * 1_000_000_000 + nsec))
-            return data, (now_mono - age_ns) / 1e9
-    return data, now_mono / 1e9
+    socket has them on (clock_sync.udp's helpers serve TCP as well), so that a late wake-up
+    of this thread does not add delay."""
+    data, _, received = udp.recv(sock, _CHUNK)
+    return data, udp.since_realtime(received, time.monotonic_ns) / 1e9
 
 
 class _Pipe:
@@ -189,8 +181,7 @@ class DelayProxy:
                 continue
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if _SO_TIMESTAMPNS is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+                udp.enable_rx_timestamps(sock)
                 sock.settimeout(_POLL_S)
             with self._lock:
                 conn = _Connection(self, client, upstream, self.connections)
