@@ -193,13 +193,14 @@ class DelayProxy:
         """Close the listener and every connection; join all threads (bounded by timeout_s)."""
         self._stop.set()
         self._server.close()
+        deadline = time.monotonic() + timeout_s
+        if self._acceptor.ident is not None:   # first: a connection it takes now must be closed too
+            self._acceptor.join(timeout_s)
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
             conn.close()
-        deadline = time.monotonic() + timeout_s
-        threads = [self._acceptor] if self._acceptor.ident is not None else []
-        for thread in threads + [t for conn in connections for t in conn.threads]:
+        for thread in [t for conn in connections for t in conn.threads]:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "DelayProxy":
