@@ -140,6 +140,7 @@ class DelayProxy:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._connections: list[_Connection] = []
+        self._threads: list[threading.Thread] = []   # of every connection: stop() joins those still running
         self.connections = 0
         self.bytes_forwarded = 0
         host, port = split_host_port(listen)
@@ -186,6 +187,7 @@ class DelayProxy:
             with self._lock:
                 conn = _Connection(self, client, upstream, self.connections)
                 self._connections.append(conn)
+                self._threads = [t for t in self._threads if t.is_alive()] + conn.threads
                 self.connections += 1
             conn.start()
 
@@ -197,10 +199,10 @@ class DelayProxy:
         if self._acceptor.ident is not None:   # first: a connection it takes now must be closed too
             self._acceptor.join(timeout_s)
         with self._lock:
-            connections = list(self._connections)
+            connections, threads = list(self._connections), list(self._threads)
         for conn in connections:
             conn.close()
-        for thread in [t for conn in connections for t in conn.threads]:
+        for thread in threads:   # a connection whose writers are done is forgotten; its readers may still run
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "DelayProxy":
