@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -30,6 +31,41 @@ def run_python(code: str, env: dict | None = None, timeout: float = 60, check: b
     if check and result.returncode != 0:
         raise AssertionError(f"child failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def launch_ranks(code: str, world: int, env_of_rank, args_of_rank=lambda rank: (),
+                 timeout_s: float = 120) -> list[tuple[str, str]]:
+    """Run `code` as `world` processes at once (the ranks of one job), each with
+    env_of_rank(rank) and the arguments args_of_rank(rank); kill what is left at the timeout.
+    Returns each rank's (stdout, stderr); fails if a rank did not exit 0. Output goes to
+    files: a rank blocked on a full pipe would stall the collectives of all the others."""
+    procs = []
+    try:
+        for rank in range(world):
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            procs.append((subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *map(str, args_of_rank(rank))],
+                                           env=env_of_rank(rank), stdout=out, stderr=err, text=True), out, err))
+        deadline = time.monotonic() + timeout_s
+        for proc, _, _ in procs:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    outputs, failures = [], []
+    for rank, (proc, out, err) in enumerate(procs):
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            outputs.append((out.read(), err.read()))
+        if proc.returncode != 0:
+            failures.append(f"rank {rank} exited {proc.returncode}:\n{outputs[-1][0]}\n{outputs[-1][1][-4000:]}")
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return outputs
 
 
 def tracer_env(collector: CollectorProcess, node_id: str, **extra) -> dict:

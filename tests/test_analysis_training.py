@@ -12,16 +12,13 @@ instrumentation. Each step's trace id is derived from the step number on every r
 crosstrace.step does), through a remote parent of that id.
 """
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from crosstrace.commands.report import analyse_report
 from crosstrace.launch import free_port
 
-from .conftest import tracer_env
+from .conftest import launch_ranks, tracer_env
 
 pytest.importorskip("torch")
 
@@ -120,26 +117,13 @@ finish()
 """
 
 
-def run_ranks(collector, code: str, world: int, extra_args: tuple, timeout_s: float = 120) -> list[str]:
+def run_ranks(collector, code: str, world: int, extra_args: tuple, timeout_s: float = 120) -> None:
     """Start `world` rank processes on their own simulated clocks; wait for all of them."""
-    port = str(free_port())
-    procs = []
-    try:
-        for rank in range(world):
-            env = {**os.environ, **tracer_env(collector, f"trainer/rank{rank}", job_id="analysis-test",
-                                              sim_clock_offset_ns=OFFSETS_NS[rank], clock_probe_interval_s=1)}
-            procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(rank), str(world), port,
-                                           *map(str, extra_args)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, f"rank failed ({p.returncode}):\n{out}"
-    return outputs
+    port = free_port()
+    launch_ranks(code, world,
+                 lambda rank: {**os.environ, **tracer_env(collector, f"trainer/rank{rank}", job_id="analysis-test",
+                                                          sim_clock_offset_ns=OFFSETS_NS[rank], clock_probe_interval_s=1)},
+                 lambda rank: (rank, world, port, *extra_args), timeout_s)
 
 
 def steps(report: dict) -> list[dict]:

@@ -8,10 +8,6 @@ Also run_ranks() and spans(), shared with the other torch tests.
 import collections
 import json
 import os
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 
@@ -22,49 +18,23 @@ from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind, Status
 from crosstrace.tracer.step import step_trace_id
 
-from .conftest import run_python, tracer_env
+from .conftest import launch_ranks, run_python, tracer_env
 
 pytest.importorskip("torch.distributed")
 
 
-def run_ranks(code: str, world: int, collector, tmp_path, timeout_s: float = 120, **options) -> list[dict]:
+def run_ranks(code: str, world: int, collector, timeout_s: float = 120, **options) -> list[dict]:
     """Run `code` as `world` ranks of one gloo job (torchrun's environment, CROSSTRACE_*
-    `options`); each prints one JSON line last, returned per rank."""
+    `options`); each prints one JSON line last, returned per rank with its stderr."""
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, **tracer_env(collector, f"rank{rank}", **options), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        out = open(tmp_path / f"rank{rank}.out", "w+")
-        err = open(tmp_path / f"rank{rank}.err", "w+")
-        procs.append((subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=out,
-                                       stderr=err, text=True), out, err))
-    deadline = time.monotonic() + timeout_s
-    try:
-        for proc, _, _ in procs:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
-    results, failures = [], []
-    for rank, (proc, out, err) in enumerate(procs):
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-        out.close()
-        err.close()
-        if proc.returncode != 0:
-            failures.append(f"rank {rank} exited {proc.returncode}:\n{stdout}\n{stderr[-4000:]}")
-            continue
-        results.append({**json.loads(stdout.strip().splitlines()[-1]), "stderr": stderr})
-    if failures:
-        raise AssertionError("\n".join(failures))
-    return results
+
+    def env(rank: int) -> dict:
+        return {**os.environ, **tracer_env(collector, f"rank{rank}", **options), "RANK": str(rank),
+                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+
+    return [{**json.loads(stdout.strip().splitlines()[-1]), "stderr": stderr}
+            for stdout, stderr in launch_ranks(code, world, env, timeout_s=timeout_s)]
 
 
 def spans(collector) -> list[dict]:
@@ -191,9 +161,9 @@ PER_STEP = {"all_reduce": 2, "all_gather": 1, "all_gather_into_tensor": 1, "redu
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_and_p2p_join_across_ranks(world, collector, tmp_path):
+def test_collectives_and_p2p_join_across_ranks(world, collector):
     job = f"collectives-{world}"
-    reports = run_ranks(WORKER, world, collector, tmp_path, job_id=job)
+    reports = run_ranks(WORKER, world, collector, job_id=job)
     for report in reports:
         traced, plain = report["no_group_error"]
         assert traced == plain and "process group" in plain.lower()

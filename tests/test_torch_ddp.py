@@ -91,7 +91,7 @@ def ddp_job(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ddp")
     with CollectorProcess(str(tmp / "store.db")) as collector:
-        reports = run_ranks(WORKER, 3, collector, tmp, job_id="ddp-test")
+        reports = run_ranks(WORKER, 3, collector, job_id="ddp-test")
         yield reports, spans(collector)
 
 

@@ -60,8 +60,8 @@ print(json.dumps(report))
 SCHEDULE_KEYS = (sc.PP_SCHEDULE, sc.PP_NUM_STAGES, sc.PP_NUM_MICROBATCHES, sc.PP_STAGES_PER_RANK)
 
 
-def test_three_schedules_trace_stages_and_transfers(collector, tmp_path):
-    reports = run_ranks(WORKER, 2, collector, tmp_path, job_id="pp-test")
+def test_three_schedules_trace_stages_and_transfers(collector):
+    reports = run_ranks(WORKER, 2, collector, job_id="pp-test")
     for report in reports:
         assert report["instrumented"] and report["same_losses"] and report["flushed"]
     assert len(reports[1]["losses"][0]) == MICROBATCHES  # the last stage computed the loss
