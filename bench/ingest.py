@@ -121,6 +121,8 @@ REPLAY = textwrap.dedent("""
     channel = grpc.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 64 << 20)])
     export = channel.stream_stream("/crosstrace.v1.Collector/Export", request_serializer=None,
                                    response_deserializer=pb.ExportAck.FromString)
+    print("ready", flush=True)
+    sys.stdin.readline()   # all producers start sending together, once all have encoded
     start = time.monotonic_ns()
     accepted = sum(ack.accepted for ack in export(iter(messages), timeout=600))
     end = time.monotonic_ns()
@@ -129,8 +131,15 @@ REPLAY = textwrap.dedent("""
 
 
 def run_replay(n: int, producers: int, endpoint: str) -> tuple[float, bool]:
-    procs = [subprocess.Popen([sys.executable, "-c", REPLAY, str(n), endpoint], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(producers)]
+    procs = [subprocess.Popen([sys.executable, "-c", REPLAY, str(n), endpoint], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(producers)]
+    for proc in procs:   # encoding happens before the window: it would take the collector's CPU
+        if proc.stdout.readline().strip() != "ready":
+            proc.wait(60)
+            raise RuntimeError(f"replay producer failed: {proc.stderr.read()}")
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=900)
