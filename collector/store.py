@@ -71,6 +71,9 @@ class Store:
         else:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            # Large pages for a store of large segment blobs: a 660 KB segment commits in 1.2 ms
+            # instead of 2.7 (a new store only; an existing one keeps its page size).
+            self.db.execute("PRAGMA page_size=65536")
             self.db.execute("PRAGMA journal_mode=WAL")
             # NORMAL: a commit survives the collector being killed; FULL: also a power loss.
             self.db.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
@@ -116,7 +119,7 @@ class Store:
         with self._lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
-            self._pending: list[np.ndarray] = []
+            self._pending = RecentKeys(capacity=1 << 62)   # keys written in this transaction
             try:
                 results = [self._write_one(b, now) for b in batches]
                 rejects = collections.Counter(rejected_whole or {})
@@ -130,7 +133,7 @@ class Store:
                 db.execute("ROLLBACK")
                 self._node_ids.clear()   # ids cached in the transaction may be rolled back with it
                 raise
-            for keys in self._pending:  # only committed spans enter the window
+            for keys in self._pending.runs:  # only committed spans enter the window
                 self.recent.add(keys)
         return results
 
@@ -173,7 +176,7 @@ class Store:
         accepted = int(keep.sum())
         if accepted:
             self._write_segment(checked, keep, node, now)
-            self._pending.append(keys[keep])
+            self._pending.add(keys[keep])
         if batch.session_id:
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)", (batch.session_id, batch.seq, accepted, duplicates))
         return WriteResult(accepted, duplicates)
@@ -186,9 +189,7 @@ class Store:
         ordered = k[order]
         dup = np.zeros(len(idx), dtype=bool)
         dup[order[1:][ordered[1:] == ordered[:-1]]] = True  # repeats within the batch: keep the first
-        dup[order] |= self.recent.contains(ordered)  # sorted needles search faster
-        if self._pending:
-            dup |= np.isin(k, np.concatenate(self._pending))
+        dup[order] |= self.recent.contains(ordered) | self._pending.contains(ordered)  # sorted needles search faster
         keep[idx[dup]] = False
         return int(dup.sum())
 
@@ -201,7 +202,8 @@ class Store:
             segment.ClearField("clock_samples")
         else:
             segment = take(batch, cols, keep, checked.attributes, checked.extras)
-        traces = np.unique(cols["trace_id_hi"][keep]).tobytes()
+        hi = np.sort(cols["trace_id_hi"][keep])   # unique by hand: numpy 2's hashing np.unique is 8x slower here
+        traces = hi[np.r_[True, hi[1:] != hi[:-1]]].tobytes()
         self.db.execute("INSERT INTO segments (node, received_ns, n, data, traces) VALUES (?, ?, ?, ?, ?)",
                         (node, now, segment.count, segment.SerializeToString(), traces))
 

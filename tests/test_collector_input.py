@@ -157,6 +157,18 @@ def test_duplicates_within_one_batch_are_stored_once(collector):
     assert (acks[0].accepted, acks[0].duplicates) == (3, 2)
 
 
+def test_duplicates_across_batches_of_one_group_commit_are_stored_once(tmp_path):
+    """Batches that arrive together are committed in one transaction (group commit): a span
+    in two of them is stored once, and the window remembers the group's spans afterwards."""
+    from crosstrace.collector.ingest import check
+
+    with Store(str(tmp_path / "store.db")) as store:
+        group = [check(batch(40, seq=1)), check(batch(30, seq=2, first_id=31)), check(batch(10, seq=3, first_id=51))]
+        assert [(r.accepted, r.duplicates) for r in store.write(group)] == [(40, 0), (20, 10), (0, 10)]
+        assert [(r.accepted, r.duplicates) for r in store.write([check(batch(80, seq=4))])] == [(20, 60)]
+        assert store.span_count() == 80
+
+
 def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
 
