@@ -116,7 +116,6 @@ class _Connection:
             last = self._open == 0
         if last:
             self.close()
-            self.proxy._forget(self)
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -139,8 +138,7 @@ class DelayProxy:
         self._random = random.Random(seed)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._connections: list[_Connection] = []
-        self._threads: list[threading.Thread] = []   # of every connection: stop() joins those still running
+        self._connections: list[_Connection] = []    # kept while any of their threads runs: stop() joins them
         self.connections = 0
         self.bytes_forwarded = 0
         host, port = split_host_port(listen)
@@ -153,11 +151,6 @@ class DelayProxy:
         with self._lock:
             jitter = self._random.uniform(-self.jitter_s, self.jitter_s) if self.jitter_s else 0.0
         return max(0.0, base_s + jitter)
-
-    def _forget(self, conn: _Connection) -> None:
-        with self._lock:
-            if conn in self._connections:
-                self._connections.remove(conn)
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -186,8 +179,8 @@ class DelayProxy:
                 sock.settimeout(_POLL_S)
             with self._lock:
                 conn = _Connection(self, client, upstream, self.connections)
+                self._connections = [c for c in self._connections if any(t.is_alive() for t in c.threads)]
                 self._connections.append(conn)
-                self._threads = [t for t in self._threads if t.is_alive()] + conn.threads
                 self.connections += 1
             conn.start()
 
@@ -199,10 +192,10 @@ class DelayProxy:
         if self._acceptor.ident is not None:   # first: a connection it takes now must be closed too
             self._acceptor.join(timeout_s)
         with self._lock:
-            connections, threads = list(self._connections), list(self._threads)
+            connections = list(self._connections)
         for conn in connections:
             conn.close()
-        for thread in threads:   # a connection whose writers are done is forgotten; its readers may still run
+        for thread in [t for conn in connections for t in conn.threads]:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "DelayProxy":
