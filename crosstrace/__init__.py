@@ -41,6 +41,12 @@ def instrument_ddp(model, hook=None, state=None):
     return torch_dist.instrument_ddp(model, hook, state)
 
 
+def uninstrument_ddp(model) -> None:
+    """Undo instrument_ddp(model)."""
+    from .tracer.instrument import torch_dist
+    torch_dist.uninstrument_ddp(model)
+
+
 def instrument_pipeline() -> bool:
     """Trace torch.distributed.pipelining stages, schedules and their transfers."""
     from .tracer.instrument import pipeline
@@ -56,4 +62,4 @@ def uninstrument_pipeline() -> None:
 __all__ = ["Kind", "Tracer", "TracerProvider", "aio_client_interceptors", "aio_server_interceptor", "init",
            "instrument_channel", "instrument_collectives",
            "instrument_ddp", "instrument_pipeline", "server_interceptor", "step", "steps",
-           "uninstrument_collectives", "uninstrument_pipeline"]
+           "uninstrument_collectives", "uninstrument_ddp", "uninstrument_pipeline"]

@@ -28,7 +28,7 @@ def main() -> None:
     dist.init_process_group("gloo")        # "nccl" on GPUs
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10)))
-    crosstrace.instrument_ddp(model)       # instead of model.register_comm_hook(...)
+    crosstrace.instrument_ddp(model)       # each gradient bucket becomes a span
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     tracer = trace.get_tracer(__name__)
     compute = crosstrace.Kind.COMPUTE

@@ -1,11 +1,13 @@
-"""DDP gradient buckets traced through crosstrace's comm hook, on 3 real gloo ranks (3: so
-that averaging by multiplying with 1/n and by dividing by n give different bits).
+"""DDP gradient buckets traced by crosstrace, on 3 real gloo ranks (3: so that averaging
+by multiplying with 1/n and by dividing by n give different bits).
 
 One job checks: the gradients are exactly DDP's own (loss and parameters after N steps,
-bit for bit, with crosstrace's default hook and with a user hook it wraps); every bucket is
-a collective joined across ranks with its index, bytes, parameter count and ready time;
-a rank sleeping 50 ms before backward makes the others enter the bucket all-reduce ~50 ms
-before it; models the hook cannot apply to warn once and train untraced.
+bit for bit, through crosstrace's process group for DDP's reducer, with a user hook it
+wraps, with gradients as bucket views and with find_unused_parameters); every bucket is a
+collective joined across ranks with its index, bytes, parameter count and ready time;
+uninstrument_ddp stops the recording and instrument_ddp resumes it; a rank sleeping 50 ms
+before backward makes the others enter the bucket all-reduce ~50 ms before it; models that
+cannot be traced warn once and train untraced.
 """
 import collections
 import statistics
@@ -34,6 +36,8 @@ STRAGGLER = world - 1
 def ddp(**options):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    if options.pop("unused", False):
+        mlp.append(nn.Linear(8, 8))           # never called: find_unused_parameters marks it each step
     return DDP(mlp, bucket_cap_mb=0.01, **options)   # several buckets
 
 def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True):
@@ -68,6 +72,16 @@ report["user_hook_exact"] = same(user_hook, train(crosstrace.instrument_ddp(
 views = dict(gradient_as_bucket_view=True)                              # gradients live in the buckets
 report["views_exact"] = same(train(ddp(**views), 50, set_to_none=False),
                              train(crosstrace.instrument_ddp(ddp(**views)), 60, set_to_none=False))
+unused = dict(unused=True, find_unused_parameters=True)  # the reducer all-reduces its int32 map too
+report["unused_exact"] = same(train(ddp(**unused), 90), train(crosstrace.instrument_ddp(ddp(**unused)), 100))
+
+toggled = crosstrace.instrument_ddp(ddp())
+train(toggled, 80, steps=2)
+crosstrace.uninstrument_ddp(toggled)
+crosstrace.uninstrument_ddp(toggled)                                    # twice: nothing more to undo
+train(toggled, 82, steps=2)                                             # not recorded
+crosstrace.instrument_ddp(toggled)
+train(toggled, 84, steps=2)
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -99,7 +113,7 @@ def test_gradients_are_exactly_ddps_own(ddp_job):
     reports, _ = ddp_job
     for report in reports:
         assert report["default_hook_exact"] and report["user_hook_exact"] and report["hooked_still_exact"]
-        assert report["views_exact"]
+        assert report["views_exact"] and report["unused_exact"]
         assert report["flushed"]
 
 
@@ -124,11 +138,15 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
     by_step = collections.defaultdict(list)
     for r in buckets:
         by_step[step_of[r["trace"]], r["rank"]].append(r)
-    assert {k for k, _ in by_step} == {*range(10, 15), *range(20, 25), *range(40, 47), *range(60, 65)}
-    n_params = 6  # 3 Linear layers: weight and bias each
+    toggled = {80, 81, 84, 85}  # 82 and 83 ran between uninstrument_ddp and instrument_ddp
+    assert {k for k, _ in by_step} == {*range(10, 15), *range(20, 25), *range(40, 47), *range(60, 65),
+                                       *range(100, 105), *toggled}
     for (k, rank), mine in by_step.items():
-        assert sum(r["a"][sc.DDP_PARAMS] for r in mine) == n_params
-        assert sum(r["a"][sc.COLL_BYTES] for r in mine) == 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8)
+        n_params, size = 6, 32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8  # 3 Linear layers: weight and bias each
+        if k >= 100:
+            n_params, size = n_params + 2, size + 8 * 8 + 8              # and the unused one
+        assert sum(r["a"][sc.DDP_PARAMS] for r in mine) == n_params, (k, mine)
+        assert sum(r["a"][sc.COLL_BYTES] for r in mine) == 4 * size
         assert len({r["a"][sc.DDP_BUCKET] for r in mine}) == len(mine)
         for r in mine:
             assert r["a"][sc.COLL_OP] == "all_reduce" and r["a"][sc.COLL_RANKS] == [0, 1, 2]

@@ -17,9 +17,9 @@ The keys the collector joins on (proto/semconv.py):
 Timing: a synchronous call is timed by the call (with NCCL it returns once the kernel is
 queued: host time only); an async one (async_op=True, isend, irecv, batch_isend_irecv)
 from the call until its wait() returns, is_completed() reports it done, or the future
-from get_future() completes. A DDP bucket from the moment DDP hands it to the hook (the
-all-reduce is issued) to the completion callback, which runs on a backend thread; the
-time its last gradient was ready is the attribute ddp.ready_ns (same clock as the span).
+from get_future() completes. A DDP bucket from the moment DDP issues its all-reduce to the
+completion callback, which runs on a backend thread; the time its last gradient was ready
+is the attribute ddp.ready_ns (same clock as the span).
 
 Spans are recorded inside a sampled step (crosstrace.step) or outside any step; inside an
 unsampled one only the counters advance. A call made inside an instrumented call (torch's
@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -484,12 +485,17 @@ def original(name: str):
 
 def instrument_ddp(model, hook=None, state=None):
     """Trace each gradient bucket of a DistributedDataParallel model as a COLLECTIVE span
-    (bucket index, bytes, parameter count, ready/issue/complete times), through a DDP comm
-    hook. Without `hook` the bucket is averaged exactly as DDP's built-in all-reduce does
-    (the same gradients, bit for bit). To keep a comm hook of your own, pass it here
-    (`instrument_ddp(model, hook=powerSGD_hook, state=...)`) instead of to
-    model.register_comm_hook(): DDP allows one hook per model, so a model that already has
-    one (or a built-in C++ hook) is left untraced with a warning. Returns the model."""
+    (bucket index, bytes, parameter count, ready/issue/complete times). Returns the model.
+
+    Without `hook`, DDP keeps its own all-reduce: its reducer is given a process group that
+    is the model's own (the same backends) with allreduce() recording the bucket. DDP scales
+    each gradient while copying it into its bucket, so the gradients stay DDP's own and
+    tracing adds no pass over them, which any comm hook would (it must scale the bucket
+    itself). To keep a comm hook of your own, pass it here (`instrument_ddp(model,
+    hook=powerSGD_hook, state=...)`) instead of to model.register_comm_hook(): crosstrace
+    then registers a comm hook that records each bucket and runs yours. DDP allows one hook
+    per model, so a model that already has one (or a built-in C++ hook) is left untraced with
+    a warning; so is a model whose hook is registered after this call."""
     if not distributed_available("instrument_ddp"):
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -498,155 +504,239 @@ def instrument_ddp(model, hook=None, state=None):
         warn_once("ddp-type", f"instrument_ddp needs a DistributedDataParallel model, not "
                               f"{type(model).__name__}; its gradient sync is not traced")
         return model
-    if getattr(model, "_comm_hooks", None):
+    if model in _instrumented:
+        return model
+    if getattr(model, "_comm_hooks", None) and (model not in _tracers or _tracers[model].hook is None):
         existing = getattr(model._comm_hooks[0][0], "__qualname__", "a comm hook")
         warn_once("ddp-hooked", f"this DDP model already has the comm hook {existing} and DDP allows one; "
                                 "pass it as crosstrace.instrument_ddp(model, hook=..., state=...) instead "
                                 "of model.register_comm_hook() to trace it. Its buckets are not traced")
         return model
-    buckets = BucketTracer(model, hook, state)
+    buckets = _tracers.get(model) or BucketTracer(model, hook, state)
     try:
-        model.register_comm_hook(buckets, _traced_bucket)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        buckets.remove()
-        warn_once("ddp-register", f"could not register crosstrace's DDP comm hook ({exc}); "
-                                  "the model's buckets are not traced")
+        if buckets.hook is None:
+            # The reducer holds the C++ side only: without a Python reference the group's
+            # Python methods would be gone, and the reducer would call the backends untraced.
+            buckets.reducer_group = _BucketGroup(model.process_group, buckets)
+            model.reducer._update_process_group(buckets.reducer_group)
+        elif model not in _tracers:
+            model.register_comm_hook(buckets, _traced_bucket)
+        buckets.forward_handle = model.register_forward_hook(buckets.forward_done)
+    except (AttributeError, RuntimeError, ValueError, TypeError) as exc:
+        warn_once("ddp-register", f"could not trace this DDP model's buckets with torch {torch.__version__} "
+                                  f"({exc}); it trains untraced")
+        return model
+    _tracers[model] = buckets
+    _instrumented.add(model)
     return model
 
 
+def uninstrument_ddp(model) -> None:
+    """Undo instrument_ddp(model): DDP's reducer gets the model's own process group back.
+    A comm hook cannot be taken off a DDP model: with a hook of yours, crosstrace's stays
+    around it and only stops recording (instrument_ddp(model) resumes it)."""
+    if model not in _instrumented:
+        return
+    _instrumented.discard(model)
+    buckets = _tracers[model]
+    buckets.forward_handle.remove()
+    buckets.parent = False
+    if buckets.reducer_group is not None:
+        model.reducer._update_process_group(model.process_group)
+        buckets.reducer_group = None
+
+
+_tracers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DDP model -> its BucketTracer, kept
+_instrumented: "weakref.WeakSet" = weakref.WeakSet()                 # the models being traced now
+_BACKEND_TYPES = dist.ProcessGroup.BackendType.__members__ if AVAILABLE else {}
+
+
+class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
+    """The process group DDP's reducer all-reduces its buckets through once instrumented:
+    it holds the model's group's own backends (and its name and bound device, which a
+    backend registered here is given), so every call goes straight to them; allreduce()
+    also records the bucket."""
+
+    def __init__(self, group, buckets: "BucketTracer"):
+        super().__init__(group.rank(), group.size())
+        self.bound_device_id = group.bound_device_id
+        self._set_group_name(group.group_name)
+        for device in group._device_types:
+            backend = group._get_backend(device)
+            kind = _BACKEND_TYPES.get(backend.name().upper(), dist.ProcessGroup.BackendType.CUSTOM)
+            self._register_backend(device, kind, backend)
+        self._group, self._buckets = group, buckets
+
+    def getBackendName(self) -> str:
+        return self._group.name()
+
+    def allreduce(self, tensors, opts):
+        span = self._buckets.issued(tensors)
+        try:
+            work = self._group.allreduce(tensors, opts)
+        except BaseException as exc:
+            if span is not None:
+                _end([span], exc)
+            raise
+        if span is not None:
+            work.get_future().add_done_callback(_BucketDone(span))
+        return work
+
+
 def _traced_bucket(state, bucket):
-    """The comm hook DDP calls with each bucket (DDP wants the parameter named `bucket`)."""
+    """The comm hook DDP calls with each bucket when the user's hook is wrapped (DDP wants
+    the parameter named `bucket`)."""
     return state.run(bucket)
 
 
 class BucketTracer:
-    """State of crosstrace's DDP comm hook: runs the all-reduce (or the user's hook) on a
-    bucket and records it. Parameter hooks stamp when each gradient was accumulated, so a
-    bucket's ready time is its last gradient's even when DDP issues buckets in order later."""
+    """Records the gradient buckets of one DDP model. After each forward it decides whether
+    the backward pass to come is recorded (its step is sampled); in an unsampled step only
+    the collective counter advances per bucket. A bucket's ready time is its last
+    gradient's, from the times DDP's reducer notes for every gradient anyway, so no Python
+    runs per gradient."""
 
     def __init__(self, model, hook=None, state=None):
         self.group = model.process_group
-        self.size = self.group.size()
-        self.grads_are_views = getattr(model, "gradient_as_bucket_view", False)
         self.hook, self.state = hook, state
         self.hook_name = getattr(hook, "__qualname__", repr(hook)) if hook is not None else None
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        self.param_index = {id(p): i for i, p in enumerate(params)}
-        self.ready = [0] * len(params)
-        self.grad_storage = [0] * len(params)  # where each gradient was accumulated: in its bucket?
-        self.handles = []
-        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            warn_once("ddp-ready", f"torch {torch.__version__} has no post-accumulate-grad hooks; a bucket's "
-                                   "ready time is taken as its issue time")
-            return
-        for i, p in enumerate(params):
-            self.handles.append(p.register_post_accumulate_grad_hook(self._stamp(i)))
+        ignored = getattr(model, "parameters_to_ignore", ())
+        params = [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
+        self.param_index = {id(p): i for i, p in enumerate(params)}  # the reducer's variable indices
+        self.layout = []       # per bucket, in DDP's launch order: (numel, dtype, variable indices)
+        self.layout_of = None  # the model's _has_rebuilt_buckets when the layout was read
+        self.next = 0          # the bucket DDP launches next in this backward pass
+        self.keys = None       # the process group's _Group (name, ranks, counter)
+        self.parent = False    # the buckets' parent context (see _parent); False: not recorded
+        self.reducer = None
+        self.backward_start = 0
+        self.reducer_group = None
+        self.forward_handle = None
 
-    def _stamp(self, i: int):
-        ready, storages, tracing = self.ready, self.grad_storage, _Tracing
-
-        def stamp(param) -> None:
-            ready[i] = tracing.now()
-            storages[i] = param.grad.untyped_storage().data_ptr()
-        return stamp
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def run(self, bucket):
-        span = None
+    def forward_done(self, module, inputs, output) -> None:
+        """After each forward: the next backward launches the buckets again from the first,
+        recorded or not. DDP rebuilds its buckets once, early in a forward; then the layout
+        is read anew. The read makes zero-filled copies of the buckets, as large as the
+        gradients; here, with the gradients of the last step freed (zero_grad's default),
+        that stays below the peak of the backward pass to come."""
+        self.next = 0
+        self.backward_start = _Tracing.now()  # DDP's prepare_for_backward started its clock just before
         try:
-            span = self._start(bucket)
+            self.keys = _group(self.group)
+            self.parent = _parent()
+            self.reducer = module.reducer
+            rebuilt = getattr(module, "_has_rebuilt_buckets", None)
+            if self.hook is None and (rebuilt != self.layout_of or not self.layout):
+                index = self.param_index
+                self.layout = [(b.buffer().numel(), b.buffer().dtype, [index.get(id(p)) for p in b.parameters()])
+                               for b in module.reducer._get_zeros_like_grad_buckets()]
+                self.layout_of = rebuilt
+        except Exception as exc:
+            self.layout = []
+            warn_once("ddp-layout", f"could not read this DDP model's buckets ({exc!r}); they are traced "
+                                    "without their parameters")
+
+    def issued(self, tensors):
+        """DDP's reducer all-reduces `tensors`: the span of its bucket, None when the step is
+        not sampled or this is not a bucket (DDP's int32 map of unused parameters). DDP
+        launches a backward pass's buckets in their order; the layout read after the forward
+        names each one's parameters. Never raises."""
+        try:
+            if len(tensors) != 1:
+                return None
+            tensor = tensors[0]
+            if not (tensor.is_floating_point() or tensor.is_complex()):
+                return None
+            k = self.next
+            self.next = k + 1
+            seq = next(self.keys.seq)
+            if self.parent is False:
+                return None
+            layout = self.layout[k] if k < len(self.layout) else None
+            known = layout is not None and layout[0] == tensor.numel() and layout[1] == tensor.dtype
+            return self._record(k, seq, tensor, layout[2] if known else None)
         except Exception as exc:  # never let tracing break gradient sync
             warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
-        if self.hook is None:
-            tensor = self._average(bucket)
-            future = original("all_reduce")(tensor, group=self.group, async_op=True).get_future()
-            unwrap = True
-        else:
-            _local.busy = True  # the hook's own collectives are this span's
-            try:
-                future = self.hook(self.state, bucket)
-            except BaseException as exc:
-                _end([span], exc)
-                raise
-            finally:
-                _local.busy = False
-            unwrap = False
-        if span is None and not unwrap:
-            return future
-        return future.then(_BucketDone(span, unwrap))
-
-    def _average(self, bucket):
-        """Scale the bucket before the sum exactly as DDP's built-in all-reduce does: it
-        multiplies a gradient by 1/n while copying it into the bucket, and divides in place
-        one that already was a view of the bucket when it was accumulated (gradient_as_bucket_view;
-        the parameter hooks record where each gradient was)."""
-        tensor = bucket.buffer()
-        if self.grads_are_views:
-            i = self.param_index.get(id(bucket.parameters()[0]))
-            if i is not None and self.grad_storage[i] == tensor.untyped_storage().data_ptr():
-                return tensor.div_(self.size)
-        return tensor.mul_(1.0 / self.size)
-
-    def _start(self, bucket):
-        group = _group(self.group)
-        seq = next(group.seq)
-        parent = _parent()
-        if parent is False:
             return None
+
+    def run(self, bucket):
+        """The comm hook's work: record the bucket, run the user's hook on it."""
+        span = None
+        try:
+            seq = next(self.keys.seq)
+            if self.parent is not False:
+                index = self.param_index
+                span = self._record(bucket.index(), seq, bucket.buffer(), [index.get(id(p)) for p in bucket.parameters()])
+        except Exception as exc:  # never let tracing break gradient sync
+            warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
+        _local.busy = True  # the hook's own collectives are this span's
+        try:
+            future = self.hook(self.state, bucket)
+        except BaseException as exc:
+            _end([span], exc)
+            raise
+        finally:
+            _local.busy = False
+        if span is not None:
+            future.add_done_callback(_BucketDone(span))
+        return future
+
+    def _ready(self, params, issued: int) -> int:
+        """When the bucket's last gradient was accumulated. The reducer notes each one's time
+        from the start of the backward pass (prepare_for_backward, on its own clock), which
+        was just before forward_done stamped backward_start: at most that little late, and
+        never after the all-reduce was issued."""
+        try:
+            since = self.reducer.get_backward_stats()
+            last = max(since[i] for i in params if i is not None)
+        except (AttributeError, RuntimeError, IndexError, TypeError, ValueError):
+            return issued
+        return min(self.backward_start + last, issued)
+
+    def _record(self, index, seq, buffer, params):
+        """The bucket's span. `params` (indices into the model's parameters) is None where
+        unknown."""
         tracing = _tracing()
         issued = tracing.now()
-        params = bucket.parameters()
-        ready, stamps, index = 0, self.ready, self.param_index
-        for p in params:
-            i = index.get(id(p))
-            if i is not None:
-                ready = max(ready, stamps[i])
-                stamps[i] = 0  # a parameter unused in the next step leaves no stale time
-        buffer = bucket.buffer()
+        group = self.keys
         attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
                       sc.COLL_OP: "all_reduce", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: True,
-                      sc.COLL_BYTES: buffer.numel() * buffer.element_size(), sc.DDP_BUCKET: bucket.index(),
-                      sc.DDP_PARAMS: len(params), sc.DDP_READY_NS: ready or issued}
+                      sc.COLL_BYTES: buffer.numel() * buffer.element_size(), sc.DDP_BUCKET: index}
+        if params is not None:
+            attributes[sc.DDP_PARAMS] = len(params)
+            attributes[sc.DDP_READY_NS] = self._ready(params, issued)
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
-        return tracing.tracer.start_span("ddp.all_reduce", parent, attributes=attributes)
+        return tracing.tracer.start_span("ddp.all_reduce", self.parent, attributes=attributes)
 
 
 class _BucketDone:
-    """A bucket's completion callback, run on a backend thread: ends the span (if any) and
-    passes the result on. The backend drops its callbacks after completing the future, and
-    dropping one takes the GIL, which aborts the process if the interpreter is already
-    finalizing (a short script that exits right after its last backward). So the callbacks
-    still held are counted, and at exit crosstrace waits for them, briefly."""
+    """A bucket's completion callback, run on a backend thread: ends the span. The backend
+    drops its callbacks after completing the future, and dropping one takes the GIL, which
+    aborts the process if the interpreter is already finalizing (a short script that exits
+    right after its last backward). So the callbacks still held are counted, and at exit
+    crosstrace waits for them, briefly."""
 
-    __slots__ = ("span", "unwrap")
+    __slots__ = ("span",)
     held = 0
     _lock = threading.RLock()  # __del__ may run inside it (a collection)
     _exit_hook = False
 
-    def __init__(self, span, unwrap: bool):
+    def __init__(self, span):
         self.span = span
-        self.unwrap = unwrap
         with _BucketDone._lock:
             _BucketDone.held += 1
         if not _BucketDone._exit_hook:
             _BucketDone._exit_hook = True
             atexit.register(_BucketDone.wait_released)
 
-    def __call__(self, future):
+    def __call__(self, future) -> None:
         try:
-            value = future.value()
+            future.value()
         except BaseException as exc:
-            if self.span is not None:
-                _end([self.span], exc)
-            raise
-        if self.span is not None:
-            self.span.end()
-        return value[0] if self.unwrap else value
+            _end([self.span], exc)
+            return
+        self.span.end()
 
     def __del__(self):
         with _BucketDone._lock:
