@@ -1,9 +1,9 @@
 """Cost of tracing DDP training: a 4-rank gloo DDP job on CPU, traced vs. untraced.
 
 Every rank trains one DDP model, an MLP of a few million parameters, in blocks of steps
-that alternate, in a random order per round, between three modes: untraced (plain DDP),
-traced every step and traced every 10th step (unsampled steps run crosstrace's unsampled
-path). Tracing is switched on and off between blocks with instrument_ddp/uninstrument_ddp
+that alternate, in a random order per round, between four modes: untraced (plain DDP),
+traced every step, traced every 10th step (unsampled steps run crosstrace's unsampled
+path), and untraced again, whose ratio to untraced is the benchmark's own noise. Tracing is switched on and off between blocks with instrument_ddp/uninstrument_ddp
 on the same model, because two copies of one model differ by about 1 % in step time on
 this machine (where their memory lies), more than the targets. A traced step runs inside
 crosstrace.step with forward/backward/optimizer spans, exporting to a real collector.
@@ -76,6 +76,7 @@ def worker(args) -> None:
                 optimizers[model].step()
 
     modes = {"untraced": lambda: plain_step(model),
+             "untraced 2": lambda: plain_step(model),
              "python hook": lambda: plain_step(reference),
              "every step": lambda: traced_step(1),
              "every 10th": lambda: traced_step(10)}
@@ -224,6 +225,7 @@ def main() -> None:
         print(f"  {mode:11s} median step {ms:7.2f} ms   ratio to untraced {ratio(mode):.4f} {spread(mode)}")
     print(f"ratio traced every step / untraced: {ratio('every step'):.4f}   (target <= 1.02)")
     print(f"ratio traced every 10th / untraced: {ratio('every 10th'):.4f}   (target <= 1.005)")
+    print(f"ratio untraced again / untraced: {ratio('untraced 2'):.4f}   (no difference: the noise of this run)")
     print(f"ratio torch's own Python allreduce_hook, untraced / untraced: {ratio('python hook'):.4f}"
           "   (what any Python comm hook costs here, for reference)")
     print(f"export threads' share of the ranks' CPU time: {result['background']:.4f}   (add to both traced "
