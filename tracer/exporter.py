@@ -109,6 +109,7 @@ class Exporter:
         self._spool = self._open_spool()
         self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel)
         queue.wake = self._wake.set
+        self._wake.set()   # the first round (a clock-probe burst) at once, not an export interval later
         self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
         self._thread.start()
 
