@@ -174,13 +174,9 @@ def cross_trace(table: SpanTable, matches: Matches) -> np.ndarray:
 
 def merge_paths(m: Merge, paths: list[Paths], dags: list[Dag], n_traces: int) -> Paths:
     cat = np.concatenate
-    pred = m.scatter_events([m.events(b, p.pred[:2 * d.n_rows], d.n_rows) for b, (p, d) in enumerate(zip(paths, dags))],
-                            [m.events(b, p.pred[2 * d.n_rows:], d.n_rows) for b, (p, d) in enumerate(zip(paths, dags))])
-    pred_edge = m.scatter_events([p.pred_edge[:2 * d.n_rows] for p, d in zip(paths, dags)],
-                                 [p.pred_edge[2 * d.n_rows:] for p, d in zip(paths, dags)])
     trace = cat([p.trace + bt.first_trace for p, bt in zip(paths, m.batches)])
     return Paths(
-        pred=pred, pred_edge=pred_edge, trace=trace, start=cat([p.start for p in paths]),
+        trace=trace, start=cat([p.start for p in paths]),
         end=cat([p.end for p in paths]),
         src=cat([m.events(b, p.src, d.n_rows) for b, (p, d) in enumerate(zip(paths, dags))]),
         dst=cat([m.events(b, p.dst, d.n_rows) for b, (p, d) in enumerate(zip(paths, dags))]),

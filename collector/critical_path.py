@@ -23,8 +23,6 @@ _NEG = np.iinfo(np.int64).min
 
 @dataclasses.dataclass
 class Paths:
-    pred: np.ndarray        # per event: its critical predecessor, -1 if none
-    pred_edge: np.ndarray   # per event: Edge of that step (NO_EDGE if none)
     trace: np.ndarray       # per segment, ordered by trace, then time
     start: np.ndarray       # int64 aligned ns
     end: np.ndarray
@@ -135,7 +133,7 @@ def find(dag: Dag) -> Paths:
     cross = (src >= 0) & (dag.node[np.maximum(src, 0)] != dag.node[dst])
     error = np.where(cross, dag.error[np.maximum(src, 0)] + dag.error[dst], 0)
     bounds = np.searchsorted(trace, np.arange(len(dag.trace_start) + 1))
-    return Paths(pred, pred_edge, trace, start, end, src, dst, edge, error, violation, bounds)
+    return Paths(trace, start, end, src, dst, edge, error, violation, bounds)
 
 
 __all__ = ["Edge", "NO_EDGE", "Paths", "critical_predecessors", "find", "sinks"]

@@ -29,9 +29,7 @@ from .columns import BadBatch, dumps
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
-_KINDS = {trace_pb2.Span.SPAN_KIND_CLIENT: Kind.RPC_CLIENT, trace_pb2.Span.SPAN_KIND_SERVER: Kind.RPC_SERVER,
-          trace_pb2.Span.SPAN_KIND_PRODUCER: Kind.SEND, trace_pb2.Span.SPAN_KIND_CONSUMER: Kind.RECV}
-_KIND_NAMES = {k.name.lower(): k for k in Kind}
+_KINDS = {trace_pb2.Span.SpanKind.Value(f"SPAN_KIND_{name}"): kind for name, kind in sc.OTEL_KINDS.items()}
 _I64_MAX = (1 << 63) - 1
 _MAX_LABEL = 256
 
@@ -99,7 +97,7 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
         attrs = attributes_of(s.attributes)
         kind = _KINDS.get(s.kind, Kind.INTERNAL)
         if sc.KIND in attrs:
-            kind = _KIND_NAMES.get(str(attrs.pop(sc.KIND)).lower(), kind)
+            kind = sc.KIND_BY_NAME.get(str(attrs.pop(sc.KIND)).lower(), kind)
         cols["kind"].append(int(kind))
         cols["status"].append(min(int(s.status.code), 255))
         cols["name"].append(strings.setdefault(s.name, len(strings)))

@@ -24,8 +24,14 @@ class Status(IntEnum):
     ERROR = 2
 
 
+# OpenTelemetry's span kinds, by name, onto crosstrace's: a CLIENT span is an RPC client, and
+# so on; INTERNAL (and anything else) is INTERNAL. The tracer reads it for the OpenTelemetry
+# API's kinds, the collector for OTLP's, both ways.
+OTEL_KINDS = {"CLIENT": Kind.RPC_CLIENT, "SERVER": Kind.RPC_SERVER, "PRODUCER": Kind.SEND, "CONSUMER": Kind.RECV}
+
 # Overrides the span kind when set on a plain OpenTelemetry span ("compute", "data", ...).
 KIND = "crosstrace.kind"
+KIND_BY_NAME = {k.name.lower(): k for k in Kind}   # the values KIND takes
 
 # Training steps: the trace id of step k is derived from (job_id, k) on every rank.
 STEP = "crosstrace.step"

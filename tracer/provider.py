@@ -16,7 +16,7 @@ from opentelemetry.context.context import Context
 from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
-from ..proto.semconv import KIND, Kind
+from ..proto.semconv import KIND, KIND_BY_NAME
 from .clock import Clock
 from .config import Config
 from .exporter import Exporter, ExportQueue
@@ -40,8 +40,6 @@ if _CONTEXT_VAR is not None:
     _get_context, _attach, _detach = _CONTEXT_VAR.get, _CONTEXT_VAR.set, _CONTEXT_VAR.reset
 else:  # pragma: no cover - only with OTEL_PYTHON_CONTEXT set to another runtime
     _get_context, _attach, _detach = context_api.get_current, context_api.attach, context_api.detach
-
-_KIND_NAMES = {k.name.lower(): k for k in Kind}
 
 
 def _new_id(bits: int) -> int:
@@ -107,7 +105,7 @@ class Tracer(trace_api.Tracer):
         if attributes:
             attributes = dict(attributes)
             if KIND in attributes:
-                code = _KIND_NAMES.get(str(attributes.pop(KIND)).lower(), code)
+                code = KIND_BY_NAME.get(str(attributes.pop(KIND)).lower(), code)
         else:
             attributes = None
         if links:

@@ -10,7 +10,7 @@ import warnings
 from opentelemetry import trace as trace_api
 from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
-from ..proto.semconv import Kind, Status
+from ..proto.semconv import OTEL_KINDS, Kind, Status
 
 # get_ident() makes a new int object on every call; interning it saves 36 bytes per
 # queued span. The exporter clears this when it grows (threads come and go).
@@ -18,14 +18,8 @@ THREAD_IDS: dict[int, int] = {}
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 _DEFAULT_TRACE_STATE = trace_api.DEFAULT_TRACE_STATE
 
-# OpenTelemetry's kinds onto crosstrace's: a CLIENT span is an RPC client, and so on.
-OTEL_KIND = {
-    trace_api.SpanKind.INTERNAL: Kind.INTERNAL,
-    trace_api.SpanKind.CLIENT: Kind.RPC_CLIENT,
-    trace_api.SpanKind.SERVER: Kind.RPC_SERVER,
-    trace_api.SpanKind.PRODUCER: Kind.SEND,
-    trace_api.SpanKind.CONSUMER: Kind.RECV,
-}
+OTEL_KIND = {trace_api.SpanKind.INTERNAL: Kind.INTERNAL,
+             **{trace_api.SpanKind[name]: kind for name, kind in OTEL_KINDS.items()}}
 _STATUS = {StatusCode.UNSET: Status.UNSET, StatusCode.OK: Status.OK, StatusCode.ERROR: Status.ERROR}
 
 

@@ -22,9 +22,8 @@ from ...proto import semconv as sc
 from ...proto.semconv import Kind
 from ..align import UNBOUNDED_NS
 
-_OTEL_KIND = {Kind.RPC_CLIENT: trace_pb2.Span.SPAN_KIND_CLIENT, Kind.RPC_SERVER: trace_pb2.Span.SPAN_KIND_SERVER,
-              Kind.SEND: trace_pb2.Span.SPAN_KIND_PRODUCER, Kind.RECV: trace_pb2.Span.SPAN_KIND_CONSUMER}
-_KIND_NAMES = {k.value: k.name.lower() for k in Kind}
+_OTEL_KIND = {kind: trace_pb2.Span.SpanKind.Value(f"SPAN_KIND_{name}") for name, kind in sc.OTEL_KINDS.items()}
+_KIND_NAMES = {k.value: name for name, k in sc.KIND_BY_NAME.items()}
 
 
 @dataclasses.dataclass
