@@ -565,6 +565,9 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
             backend = group._get_backend(device)
             kind = _BACKEND_TYPES.get(backend.name().upper(), dist.ProcessGroup.BackendType.CUSTOM)
             self._register_backend(device, kind, backend)
+        default = _BACKEND_TYPES.get(group.name().upper())   # none for a mixed "cpu:gloo,cuda:nccl" group
+        if default is not None:
+            self._set_default_backend(default)
         self._group, self._buckets = group, buckets
 
     def getBackendName(self) -> str:
