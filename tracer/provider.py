@@ -131,12 +131,21 @@ class Tracer(trace_api.Tracer):
 current_context, detach = _get_context, _detach   # for instrumentation: one ContextVar call each
 
 
-def attach_span(span, parent: Context) -> object:
-    """Make `span` current on top of the context `parent`: one Context and one ContextVar.set
-    (what ScopedSpan does inline). Returns the token for detach()."""
+def context_with(span, parent: Context) -> Context:
+    """The context `parent` with `span` as its current span: one Context, without the
+    OpenTelemetry API's copy through set_value()."""
     ctx = Context(parent)
     dict.__setitem__(ctx, _SPAN_KEY, span)
-    return _attach(ctx)
+    return ctx
+
+
+def attach_span(span, parent: Context) -> object:
+    """Make `span` current on top of the context `parent` (what ScopedSpan does inline).
+    Returns the token for detach()."""
+    return _attach(context_with(span, parent))
+
+
+attach = _attach   # for instrumentation: one ContextVar.set
 
 
 class ScopedSpan(Span):

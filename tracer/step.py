@@ -17,22 +17,22 @@ next to nothing and are not exported: crosstrace's Tracer and OpenTelemetry's SD
 follow the parent's sampled flag.
 
 It uses OpenTelemetry's global provider, whichever it is. Choosing a trace id through the
-OpenTelemetry API means starting the span under a remote parent of that id; with
-crosstrace's provider that parent is dropped again, so the step span is a root of its
-trace on each rank. Other providers keep the (never recorded) parent.
+OpenTelemetry API means starting the span under a remote parent of that id, which other
+providers keep (never recorded); crosstrace's starts the step span as a root of its trace
+on each rank.
 """
 import functools
 import hashlib
 import os
 
-from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import StatusCode
 
 from ..proto import semconv as sc
-from .provider import TracerProvider
-from .span import Span
+from .provider import TracerProvider, attach, context_with, current_context, detach
+from .span import RemoteParent
 
 _M64 = (1 << 64) - 1
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -101,13 +101,15 @@ class Step:
             attributes = {sc.STEP: k, sc.JOB_ID: job}
             if self.attributes:
                 attributes.update(self.attributes)
-            parent = trace_api.set_span_in_context(_origin(trace_id, sampled=True))
-            span = provider.get_tracer(__name__).start_span(self.name, parent, attributes=attributes)
-            if isinstance(span, Span):
-                span.parent_id = 0  # a root of its trace on this rank
-        ctx = trace_api.set_span_in_context(span)
+            if isinstance(provider, TracerProvider):   # a root of its trace on this rank
+                span = provider.get_tracer(__name__).start_span(
+                    self.name, {_SPAN_KEY: RemoteParent(trace_id, 0)}, attributes=attributes)
+            else:
+                parent = trace_api.set_span_in_context(_origin(trace_id, sampled=True))
+                span = provider.get_tracer(__name__).start_span(self.name, parent, attributes=attributes)
+        ctx = context_with(span, current_context())
         self.span = span
-        self._token = context_api.attach(ctx)
+        self._token = attach(ctx)
         self._outer, _active = _active, ctx
         return span
 
@@ -127,7 +129,7 @@ class Step:
     def _leave(self):
         global _active
         _active = self._outer
-        context_api.detach(self._token)
+        detach(self._token)
         return self.span
 
     @property

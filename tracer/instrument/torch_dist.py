@@ -612,6 +612,7 @@ class BucketTracer:
         self.keys = None       # the process group's _Group (name, ranks, counter)
         self.parent = False    # the buckets' parent context (see _parent); False: not recorded
         self.reducer = None
+        self.tracing = _Tracing   # the provider's tracer and clock, looked up after each forward
         self.backward_start = 0
         self.reducer_group = None
         self.forward_handle = None
@@ -623,7 +624,8 @@ class BucketTracer:
         gradients; here, with the gradients of the last step freed (zero_grad's default),
         that stays below the peak of the backward pass to come."""
         self.next = 0
-        self.backward_start = _Tracing.now()  # DDP's prepare_for_backward started its clock just before
+        self.tracing = _tracing()
+        self.backward_start = self.tracing.now()  # DDP's prepare_for_backward started its clock just before
         try:
             self.keys = _group(self.group)
             self.parent = _parent()
@@ -699,7 +701,7 @@ class BucketTracer:
     def _record(self, index, seq, buffer, params):
         """The bucket's span. `params` (indices into the model's parameters) is None where
         unknown."""
-        tracing = _tracing()
+        tracing = self.tracing
         issued = tracing.now()
         group = self.keys
         attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
