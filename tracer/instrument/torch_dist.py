@@ -600,7 +600,6 @@ class BucketTracer:
     runs per gradient."""
 
     def __init__(self, model, hook=None, state=None):
-        self.group = model.process_group
         self.hook, self.state = hook, state
         self.hook_name = getattr(hook, "__qualname__", repr(hook)) if hook is not None else None
         ignored = getattr(model, "parameters_to_ignore", ())
@@ -609,7 +608,7 @@ class BucketTracer:
         self.layout = []       # per bucket, in DDP's launch order: (numel, dtype, variable indices)
         self.layout_of = None  # the model's _has_rebuilt_buckets when the layout was read
         self.next = 0          # the bucket DDP launches next in this backward pass
-        self.keys = None       # the process group's _Group (name, ranks, counter)
+        self.keys = _group(model.process_group)   # the group's name, ranks and collective counter
         self.parent = False    # the buckets' parent context (see _parent); False: not recorded
         self.reducer = None
         self.tracing = _Tracing   # the provider's tracer and clock, looked up after each forward
@@ -627,7 +626,6 @@ class BucketTracer:
         self.tracing = _tracing()
         self.backward_start = self.tracing.now()  # DDP's prepare_for_backward started its clock just before
         try:
-            self.keys = _group(self.group)
             self.parent = _parent()
             self.reducer = module.reducer
             rebuilt = getattr(module, "_has_rebuilt_buckets", None)
