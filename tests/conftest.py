@@ -68,6 +68,14 @@ def launch_ranks(code: str, world: int, env_of_rank, args_of_rank=lambda rank: (
     return outputs
 
 
+def local_minus_wall(now) -> tuple[int, int]:
+    """(now() - the wall clock, within how much it is known): now() read between two wall
+    clock reads, since a preemption between two reads (over 100 us seen here) would
+    otherwise pass unnoticed into a test's truth."""
+    before, local, after = time.time_ns(), now(), time.time_ns()
+    return local - (before + after) // 2, after - before
+
+
 def tracer_env(collector: CollectorProcess, node_id: str, **extra) -> dict:
     env = {"CROSSTRACE_ENDPOINT": collector.address, "CROSSTRACE_NODE_ID": node_id}
     env.update({f"CROSSTRACE_{k.upper()}": str(v) for k, v in extra.items()})
