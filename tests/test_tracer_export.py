@@ -156,6 +156,22 @@ def test_spans_ended_on_other_threads_arrive(collector):
     assert wait_until(lambda: span_count(collector.store) == 2000, 5)
 
 
+def test_the_exporter_thread_imports_nothing(collector):
+    """A module the exporter thread imports for the first time is half-initialised in a
+    child forked at that moment (grpc imports its channel module on the first channel),
+    and the child could never export: everything is imported at init."""
+    out = run_python("""
+        import sys, crosstrace
+        p = crosstrace.init(token="secret")   # the token's interceptor too
+        before = set(sys.modules)
+        with p.get_tracer("t").start_as_current_span("x"):
+            pass
+        assert p.force_flush(20000)
+        print(sorted(set(sys.modules) - before))
+    """, env=tracer_env(collector, "imports"))
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_exit_probes_the_clock_once_more_after_the_last_span(collector):
     """A short-lived process: its only periodic probe was at start; shutdown forces one
     more burst, so the collector has clock samples after the process's last span."""
