@@ -623,6 +623,7 @@ class BucketTracer:
         gradients; here, with the gradients of the last step freed (zero_grad's default),
         that stays below the peak of the backward pass to come."""
         self.next = 0
+        self.parent = False   # until this step's decision is known: record nothing
         self.tracing = _tracing()
         self.backward_start = self.tracing.now()  # DDP's prepare_for_backward started its clock just before
         try:
