@@ -5,7 +5,8 @@ One job checks: the gradients are exactly DDP's own (loss and parameters after N
 bit for bit, through crosstrace's process group for DDP's reducer, with a user hook it
 wraps, with gradients as bucket views and with find_unused_parameters); every bucket is a
 collective joined across ranks with its index, bytes, parameter count and ready time;
-uninstrument_ddp stops the recording and instrument_ddp resumes it; a rank sleeping 50 ms
+uninstrument_ddp stops the recording and instrument_ddp resumes it; buckets issued on a
+thread without a context of its own land in their step's trace; a rank sleeping 50 ms
 before backward makes the others enter the bucket all-reduce ~50 ms before it; models that
 cannot be traced warn once and train untraced.
 """
@@ -22,7 +23,7 @@ from .test_torch_collectives import check_collectives_join, run_ranks, spans, st
 pytest.importorskip("torch.distributed")
 
 WORKER = """
-import json, os, time, warnings
+import json, os, threading, time, warnings
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -33,14 +34,21 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 STRAGGLER = world - 1
 
+class WithUnused(nn.Module):   # an MLP and a layer its forward never calls
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp, self.unused = mlp, nn.Linear(8, 8)
+    def forward(self, x):
+        return self.mlp(x)
+
 def ddp(**options):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     if options.pop("unused", False):
-        mlp.append(nn.Linear(8, 8))           # never called: find_unused_parameters marks it each step
+        mlp = WithUnused(mlp)
     return DDP(mlp, bucket_cap_mb=0.01, **options)   # several buckets
 
-def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True):
+def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True, backward_thread=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(rank)
     losses = []
@@ -51,7 +59,14 @@ def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True):
             if straggle_s and rank == STRAGGLER:
                 time.sleep(straggle_s)
             opt.zero_grad(set_to_none=set_to_none)
-            loss.backward()
+            if backward_thread:    # as autograd's device threads do on GPUs: no context of their own
+                with torch.no_grad():
+                    model(x)       # and an evaluation forward in between, which no all-reduce follows
+                worker = threading.Thread(target=loss.backward)
+                worker.start()
+                worker.join()
+            else:
+                loss.backward()
             opt.step()
         losses.append(loss.item())
     return losses, [p.detach().clone() for p in model.parameters()]
@@ -82,6 +97,7 @@ crosstrace.uninstrument_ddp(toggled)                                    # twice:
 train(toggled, 82, steps=2)                                             # not recorded
 crosstrace.instrument_ddp(toggled)
 train(toggled, 84, steps=2)
+train(crosstrace.instrument_ddp(ddp()), 110, steps=3, backward_thread=True)
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -140,10 +156,10 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
         by_step[step_of[r["trace"]], r["rank"]].append(r)
     toggled = {80, 81, 84, 85}  # 82 and 83 ran between uninstrument_ddp and instrument_ddp
     assert {k for k, _ in by_step} == {*range(10, 15), *range(20, 25), *range(40, 47), *range(60, 65),
-                                       *range(100, 105), *toggled}
+                                       *range(100, 105), *toggled, *range(110, 113)}
     for (k, rank), mine in by_step.items():
         n_params, size = 6, 32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8  # 3 Linear layers: weight and bias each
-        if k >= 100:
+        if 100 <= k < 105:
             n_params, size = n_params + 2, size + 8 * 8 + 8              # and the unused one
         assert sum(r["a"][sc.DDP_PARAMS] for r in mine) == n_params, (k, mine)
         assert sum(r["a"][sc.COLL_BYTES] for r in mine) == 4 * size
@@ -153,6 +169,12 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
             assert r["a"][sc.DDP_READY_NS] <= r["start"] <= r["end"]  # ready, then issued, then done
     if len(by_step[11, 0]) < 2:
         pytest.fail("the test model should be split into several buckets")
+    for rank in range(3):   # while untraced, the reducer all-reduced through the model's own group again
+        seqs = {k: sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (81, 84)}
+        assert seqs[84][0] == seqs[81][-1] + 1
+    step_start = {(step_of[r["trace"]], r["rank"]): r["start"] for r in rows if r["name"] == "step"}
+    for (k, rank), mine in by_step.items():   # ready after the step began (and before the issue, above)
+        assert all(r["a"][sc.DDP_READY_NS] >= step_start[k, rank] for r in mine)
     assert all(r["a"][sc.DDP_HOOK] == "allreduce_hook" for r in buckets if 20 <= step_of[r["trace"]] < 25)
     assert not [r for r in buckets if sc.DDP_HOOK in r["a"] and not 20 <= step_of[r["trace"]] < 25]
 

@@ -18,8 +18,9 @@ Timing: a synchronous call is timed by the call (with NCCL it returns once the k
 queued: host time only); an async one (async_op=True, isend, irecv, batch_isend_irecv)
 from the call until its wait() returns, is_completed() reports it done, or the future
 from get_future() completes. A DDP bucket from the moment DDP issues its all-reduce to the
-completion callback, which runs on a backend thread; the time its last gradient was ready
-is the attribute ddp.ready_ns (same clock as the span).
+completion callback, which runs on a backend thread (with NCCL the future may complete once
+the kernel is queued: host time again); the time its last gradient was ready is the
+attribute ddp.ready_ns (same clock as the span).
 
 Spans are recorded inside a sampled step (crosstrace.step) or outside any step; inside an
 unsampled one only the counters advance. A call made inside an instrumented call (torch's
@@ -47,6 +48,7 @@ from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
 from ..provider import TracerProvider
+from ..span import Span
 from ..step import active_step
 
 AVAILABLE = dist.is_available()
@@ -504,22 +506,33 @@ def instrument_ddp(model, hook=None, state=None):
         warn_once("ddp-type", f"instrument_ddp needs a DistributedDataParallel model, not "
                               f"{type(model).__name__}; its gradient sync is not traced")
         return model
-    if model in _instrumented:
-        return model
-    if getattr(model, "_comm_hooks", None) and (model not in _tracers or _tracers[model].hook is None):
-        existing = getattr(model._comm_hooks[0][0], "__qualname__", "a comm hook")
-        warn_once("ddp-hooked", f"this DDP model already has the comm hook {existing} and DDP allows one; "
-                                "pass it as crosstrace.instrument_ddp(model, hook=..., state=...) instead "
-                                "of model.register_comm_hook() to trace it. Its buckets are not traced")
-        return model
-    buckets = _tracers.get(model) or BucketTracer(model, hook, state)
+    buckets = _tracers.get(model)
+    if buckets is not None and buckets.hook is not None:      # crosstrace's comm hook is on for good
+        if hook is not None and hook is not buckets.hook:
+            warn_once("ddp-rehook", f"this DDP model keeps the comm hook {buckets.hook_name} it was first "
+                                    "instrumented with: DDP allows one per model; the new hook is not used")
+        if model in _instrumented:
+            return model
+    else:
+        existing = _comm_hook_of(model)
+        if existing is not None:
+            warn_once("ddp-hooked", f"this DDP model already has the comm hook {existing} and DDP allows one; "
+                                    "pass it as crosstrace.instrument_ddp(model, hook=..., state=...) instead "
+                                    "of model.register_comm_hook() to trace it. Its buckets are not traced")
+            return model
+        if buckets is not None and hook is not None:   # traced without a hook so far: a hook from now on
+            uninstrument_ddp(model)
+            buckets = None
+        elif model in _instrumented:
+            return model
+    buckets = buckets or BucketTracer(model, hook, state)
     try:
         if buckets.hook is None:
             # The reducer holds the C++ side only: without a Python reference the group's
             # Python methods would be gone, and the reducer would call the backends untraced.
             buckets.reducer_group = _BucketGroup(model.process_group, buckets)
             model.reducer._update_process_group(buckets.reducer_group)
-        elif model not in _tracers:
+        elif _tracers.get(model) is not buckets:     # a new tracer with the user's hook
             model.register_comm_hook(buckets, _traced_bucket)
         buckets.forward_handle = model.register_forward_hook(buckets.forward_done)
     except (AttributeError, RuntimeError, ValueError, TypeError) as exc:
@@ -540,10 +553,19 @@ def uninstrument_ddp(model) -> None:
     _instrumented.discard(model)
     buckets = _tracers[model]
     buckets.forward_handle.remove()
-    buckets.parent = False
+    buckets.sampled = False
     if buckets.reducer_group is not None:
         model.reducer._update_process_group(model.process_group)
         buckets.reducer_group = None
+
+
+def _comm_hook_of(model) -> str | None:
+    """The name of a comm hook the model has (built-in C++ ones too), None if it has none."""
+    try:
+        return model._get_ddp_logging_data().get("comm_hook")
+    except (AttributeError, RuntimeError):
+        hooks = getattr(model, "_comm_hooks", None)
+        return getattr(hooks[0][0], "__qualname__", "a comm hook") if hooks else None
 
 
 _tracers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DDP model -> its BucketTracer, kept
@@ -565,7 +587,7 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
             backend = group._get_backend(device)
             kind = _BACKEND_TYPES.get(backend.name().upper(), dist.ProcessGroup.BackendType.CUSTOM)
             self._register_backend(device, kind, backend)
-        default = _BACKEND_TYPES.get(group.name().upper())   # none for a mixed "cpu:gloo,cuda:nccl" group
+        default = _BACKEND_TYPES.get(group.name().upper())   # the name of the group's default backend
         if default is not None:
             self._set_default_backend(default)
         self._group, self._buckets = group, buckets
@@ -584,6 +606,28 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
         if span is not None:
             work.get_future().add_done_callback(_BucketDone(span))
         return work
+
+
+def _bucket_layout(model, param_index: dict) -> tuple[list, bool]:
+    """Per bucket, in DDP's launch order: (bytes, the reducer's variable indices); and
+    whether that is final until DDP rebuilds. DDP's logging data has the rebuilt layout from
+    the forward after the rebuild on; before, it has the sizes only, and one bucket is all
+    parameters. Otherwise the layout is read from zero-filled copies of the buckets, on the
+    host only: on a GPU a copy as large as the gradients could exceed the memory, and the
+    buckets go without their parameters."""
+    data = model._get_ddp_logging_data()
+    if data.get("rebuilt_per_bucket_param_indices"):
+        sizes = data["rebuilt_bucket_sizes"].split(",")
+        indices = data["rebuilt_per_bucket_param_indices"].split(",")
+        return [(int(size), [int(i) for i in members.split()]) for size, members in zip(sizes, indices)], True
+    sizes = [int(size) for size in str(data.get("bucket_sizes", "")).split(",") if size.strip()]
+    rebuilt = getattr(model, "_has_rebuilt_buckets", False)
+    if len(sizes) == 1 and not rebuilt:
+        return [(sizes[0], sorted(param_index.values()))], True
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        return [(b.buffer().numel() * b.buffer().element_size(), [param_index.get(id(p)) for p in b.parameters()])
+                for b in model.reducer._get_zeros_like_grad_buckets()], True
+    return [], not rebuilt   # rebuilt: the logging data has the layout from the next forward on
 
 
 def _traced_bucket(state, bucket):
@@ -605,11 +649,11 @@ class BucketTracer:
         ignored = getattr(model, "parameters_to_ignore", ())
         params = [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
         self.param_index = {id(p): i for i, p in enumerate(params)}  # the reducer's variable indices
-        self.layout = []       # per bucket, in DDP's launch order: (numel, dtype, variable indices)
+        self.layout = []       # per bucket, in DDP's launch order: (bytes, variable indices)
         self.layout_of = None  # the model's _has_rebuilt_buckets when the layout was read
         self.next = 0          # the bucket DDP launches next in this backward pass
         self.keys = _group(model.process_group)   # the group's name, ranks and collective counter
-        self.parent = False    # the buckets' parent context (see _parent); False: not recorded
+        self.sampled = False   # whether the backward pass to come is recorded
         self.reducer = None
         self.tracing = _Tracing   # the provider's tracer and clock, looked up after each forward
         self.backward_start = 0
@@ -617,26 +661,25 @@ class BucketTracer:
         self.forward_handle = None
 
     def forward_done(self, module, inputs, output) -> None:
-        """After each forward: the next backward launches the buckets again from the first,
-        recorded or not. DDP rebuilds its buckets once, early in a forward; then the layout
-        is read anew. The read makes zero-filled copies of the buckets, as large as the
-        gradients; here, with the gradients of the last step freed (zero_grad's default),
-        that stays below the peak of the backward pass to come."""
+        """After a forward that a synced backward pass will follow: that pass launches the
+        buckets again from the first, and is recorded if its step is sampled. DDP rebuilds
+        its buckets once, early in a forward; then the layout is read anew."""
+        if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
+            return   # an evaluation forward, or one under no_sync(): no all-reduce follows it
         self.next = 0
-        self.parent = False   # until this step's decision is known: record nothing
+        self.sampled = False   # until this step's decision is known: record nothing
         self.tracing = _tracing()
         self.backward_start = self.tracing.now()  # DDP's prepare_for_backward started its clock just before
+        rebuilt = getattr(module, "_has_rebuilt_buckets", None)
         try:
-            self.parent = _parent()
+            self.sampled = _parent() is not False
             self.reducer = module.reducer
-            rebuilt = getattr(module, "_has_rebuilt_buckets", None)
-            if self.hook is None and (rebuilt != self.layout_of or not self.layout):
-                index = self.param_index
-                self.layout = [(b.buffer().numel(), b.buffer().dtype, [index.get(id(p)) for p in b.parameters()])
-                               for b in module.reducer._get_zeros_like_grad_buckets()]
-                self.layout_of = rebuilt
+            if self.hook is None and rebuilt != self.layout_of:
+                self.layout, final = _bucket_layout(module, self.param_index)
+                if final:
+                    self.layout_of = rebuilt
         except Exception as exc:
-            self.layout = []
+            self.layout, self.layout_of = [], rebuilt   # tried again after the next rebuild only
             warn_once("ddp-layout", f"could not read this DDP model's buckets ({exc!r}); they are traced "
                                     "without their parameters")
 
@@ -654,11 +697,11 @@ class BucketTracer:
             k = self.next
             self.next = k + 1
             seq = next(self.keys.seq)
-            if self.parent is False:
+            if not self.sampled:
                 return None
             layout = self.layout[k] if k < len(self.layout) else None
-            known = layout is not None and layout[0] == tensor.numel() and layout[1] == tensor.dtype
-            return self._record(k, seq, tensor, layout[2] if known else None)
+            known = layout is not None and layout[0] == tensor.numel() * tensor.element_size()
+            return self._record(k, seq, tensor, layout[1] if known else None)
         except Exception as exc:  # never let tracing break gradient sync
             warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
             return None
@@ -668,7 +711,7 @@ class BucketTracer:
         span = None
         try:
             seq = next(self.keys.seq)
-            if self.parent is not False:
+            if self.sampled:
                 index = self.param_index
                 span = self._record(bucket.index(), seq, bucket.buffer(), [index.get(id(p)) for p in bucket.parameters()])
         except Exception as exc:  # never let tracing break gradient sync
@@ -698,8 +741,8 @@ class BucketTracer:
         return min(self.backward_start + last, issued)
 
     def _record(self, index, seq, buffer, params):
-        """The bucket's span. `params` (indices into the model's parameters) is None where
-        unknown."""
+        """The bucket's span (None if the issuing thread's context says not to record).
+        `params` (indices into the model's parameters) is None where unknown."""
         tracing = self.tracing
         issued = tracing.now()
         group = self.keys
@@ -711,7 +754,15 @@ class BucketTracer:
             attributes[sc.DDP_READY_NS] = self._ready(params, issued)
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
-        return tracing.tracer.start_span("ddp.all_reduce", self.parent, attributes=attributes)
+        # The parent on the thread that issues the bucket (autograd's device threads have no
+        # context of their own: the open step's, then).
+        parent = _parent()
+        if parent is False:
+            return None
+        span = tracing.tracer.start_span("ddp.all_reduce", parent, attributes=attributes)
+        if isinstance(span, Span):
+            span.start = issued   # the time the ready time is bounded by
+        return span
 
 
 class _BucketDone:
