@@ -1,20 +1,23 @@
-"""Cost of tracing one unary gRPC call on loopback: no tracing, crosstrace's interceptors,
-and opentelemetry-instrumentation-grpc with the OpenTelemetry SDK, in the same run.
+"""Cost of tracing one unary gRPC call on loopback: no tracing, crosstrace's channel and
+server interceptor, and opentelemetry-instrumentation-grpc with the OpenTelemetry SDK, in
+the same run.
 
-Client and server are instrumented alike in each configuration (one server and one
-channel per configuration, all in this process). crosstrace exports for real, in the
-background, to a collector process, and piggybacks a clock sample on every call; the SDK
-runs a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Rounds cycle
-through the three so that machine noise hits them alike; the added cost of each is the
+Client and server are instrumented alike in each configuration (a fresh server and
+channel per configuration and round, all in this process). crosstrace exports for real, in
+the background, to a collector process, and piggybacks a clock sample on every call; the
+SDK runs a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Short
+rounds cycle through the three, each first in turn, so that machine noise hits them
+alike, in blocks with fresh servers and channels; the added cost of each is the
 median over rounds of (its time - the untraced time of the same round), in wall time and
 in this process's CPU time (client, server and crosstrace's exporter threads; steadier
 than wall time on a shared machine).
 Target (issue 6): crosstrace adds <= 1/3 of what the OpenTelemetry instrumentation adds.
 
-    python bench/grpc_overhead.py [--calls N] [--rounds R]
+    python bench/grpc_overhead.py [--calls N] [--rounds R] [--blocks B]
 """
 import argparse
 import concurrent.futures
+import contextlib
 import statistics
 import tempfile
 import time
@@ -44,6 +47,20 @@ def serve(interceptors) -> tuple[grpc.Server, int]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port
+
+
+@contextlib.contextmanager
+def connect(interceptors, instrument):
+    """A server and channel for one configuration in one block of rounds (a server's
+    threads land where they land: two instances of one configuration can differ by tens of
+    us per call; fresh ones per block spread that over the run)."""
+    server, port = serve(interceptors)
+    channel = instrument(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    try:
+        yield channel.unary_unary(METHOD)
+    finally:
+        channel.close()
+        server.stop(0)
 
 
 def per_call_us(call, n: int) -> tuple[float, float]:
@@ -82,42 +99,40 @@ def metadata_bytes(provider) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=2000, help="calls per configuration per round")
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--calls", type=int, default=300, help="calls per configuration per round")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per block")
+    parser.add_argument("--blocks", type=int, default=5, help="fresh servers and channels for each block")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, CollectorProcess(f"{tmp}/bench.db") as collector:
         ours = crosstrace.TracerProvider(endpoint=collector.address, node_id="bench")
         sdk = SdkProvider()
         sdk.add_span_processor(BatchSpanProcessor(NoopExporter()))
-        servers, calls = [], {}
-        server, port = serve([])
-        servers.append(server)
-        calls["none"] = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(METHOD)
-        server, port = serve([crosstrace.server_interceptor(ours)])
-        servers.append(server)
-        calls["crosstrace"] = crosstrace.instrument_channel(
-            grpc.insecure_channel(f"127.0.0.1:{port}"), ours).unary_unary(METHOD)
-        server, port = serve([otel_server_interceptor(tracer_provider=sdk)])
-        servers.append(server)
-        calls["opentelemetry"] = otel_intercept_channel(
-            grpc.insecure_channel(f"127.0.0.1:{port}"),
-            otel_client_interceptor(tracer_provider=sdk)).unary_unary(METHOD)
-        for call in calls.values():
-            per_call_us(call, 300)  # warm up: connections, caches
-        times = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                times[name].append(per_call_us(call, args.calls))
+        setups = {
+            "none": lambda: connect([], lambda channel: channel),
+            "crosstrace": lambda: connect([crosstrace.server_interceptor(ours)],
+                                          lambda channel: crosstrace.instrument_channel(channel, ours)),
+            "opentelemetry": lambda: connect([otel_server_interceptor(tracer_provider=sdk)],
+                                             lambda channel: otel_intercept_channel(
+                                                 channel, otel_client_interceptor(tracer_provider=sdk))),
+        }
+        times = {name: [] for name in setups}
+        for block in range(args.blocks):
+            with contextlib.ExitStack() as stack:
+                calls = {name: stack.enter_context(setup()) for name, setup in setups.items()}
+                for call in calls.values():
+                    per_call_us(call, 300)   # warm up: connections, caches
+                for k in range(args.rounds):
+                    names = list(calls)
+                    for name in names[k % 3:] + names[:k % 3]:   # each configuration first in turn
+                        times[name].append(per_call_us(calls[name], args.calls))
         flushed = ours.force_flush(60_000)
         wire = metadata_bytes(ours)
         samples_dropped = ours.dropped_spans
         ours.shutdown()
         sdk.shutdown()
-        for server in servers:
-            server.stop(0)
     added = {(name, k): statistics.median(t[k] - base[k] for t, base in zip(times[name], times["none"]))
              for name in ("crosstrace", "opentelemetry") for k in (0, 1)}
-    print(f"unary calls per round: {args.calls}, rounds: {args.rounds}, client and server in one process")
+    print(f"unary calls per round: {args.calls}, rounds: {args.blocks} x {args.rounds}, client and server in one process")
     for name, label in (("none", "no tracing"), ("crosstrace", "crosstrace interceptors"),
                         ("opentelemetry", "opentelemetry-instrumentation-grpc + SDK")):
         wall, cpu = (statistics.median(t[k] for t in times[name]) for k in (0, 1))

@@ -311,6 +311,34 @@ def test_plain_peers_get_no_extra_metadata(collector):
     assert samples == []
 
 
+def test_a_garbled_clock_trailer_costs_the_sample_only(collector):
+    """A server answering nonsense in the clock trailer (every shape of it) neither fails the
+    call nor loses its span: the bad samples are dropped on the exporter thread, the good
+    one is kept."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
+    trailers = iter(["", "12 x", "1 2", "99999999999999999999999 2 peer", "7 8 peer"])
+
+    def echo(request, context):
+        context.set_trailing_metadata(((ct_grpc.CLOCK_KEY, next(trailers)),))
+        return request
+
+    plain = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    plain.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Svc", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+    port = plain.add_insecure_port("127.0.0.1:0")
+    plain.start()
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), provider)
+        assert [channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) for _ in range(5)] == [b"x"] * 5
+    finally:
+        plain.stop(0)
+    assert provider.force_flush(20_000)
+    provider.shutdown()
+    spans, samples = load(collector)
+    assert [(s["kind"], s["status"]) for s in spans] == [(Kind.RPC_CLIENT, 0)] * 5
+    assert [(peer, t2, t3) for _, _, peer, _, t2, t3, *_ in samples] == [("peer", 7, 8)]
+
+
 def test_wire_cost_is_a_few_hundred_bytes(collector):
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="edge-node-with-a-long-name/12345",
                                          udp_clock=False)

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - another grpc layout: imported on first
 
 from ..proto import pb
 from ..proto.endpoint import is_loopback, split_host_port
-from .clock_probe import ClockProber, piggyback_sample
+from .clock_probe import ClockProber, add_piggyback_sample
 from .encode import encode_spans
 from .span import THREAD_IDS
 from .spool import Spool
@@ -255,13 +255,13 @@ class Exporter:
                                  dropped_spans=dropped)
             if spans:
                 encode_spans(batch, spans)
+            into = batch.clock_samples
             while samples:
                 sample = samples.popleft()
                 if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
-                    sample = piggyback_sample(*sample)
-                    if sample is None:
-                        continue
-                batch.clock_samples.append(sample)
+                    add_piggyback_sample(into, *sample)
+                else:
+                    into.append(sample)
             self._sent_dropped = dropped
             self._send(batch, len(spans))
 

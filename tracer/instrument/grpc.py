@@ -1,4 +1,4 @@
-"""gRPC interceptors, sync and asyncio, unary and streaming: RPC_CLIENT / RPC_SERVER spans
+"""gRPC tracing, sync and asyncio, unary and streaming: RPC_CLIENT / RPC_SERVER spans
 with the rpc.* semantic-convention attributes, W3C trace context in metadata through the
 OpenTelemetry propagator, and a clock sample from every call.
 
@@ -16,8 +16,10 @@ is not crosstrace ignores t1, and a server answers nothing to a client that sent
 about 80 bytes per call, nothing else.
 (grpc.aio sends an aborting handler's status at once: such a call gives no sample.)
 
-Interceptors bind to their provider (given, or OpenTelemetry's global one) on first use,
-so `crosstrace.init()` may run after the channel or server was built. With a provider that
+The sync client is a channel wrapper, not an interceptor: grpc.intercept_channel's path
+costs about as much per call as all of the tracing. Channels and interceptors bind to
+their provider (given, or OpenTelemetry's global one) on first use, so `crosstrace.init()`
+may run after the channel or server was built. With a provider that
 is not crosstrace's, spans are still made through the OpenTelemetry API, without clock samples.
 """
 import asyncio
@@ -167,11 +169,11 @@ def _extract(carrier: dict) -> Context:
 
 # -- client side ----------------------------------------------------------------------------
 
-def _client_start(b: _Binding, details):
+def _client_start(b: _Binding, method, metadata):
     """Start the client span; returns (span, metadata to send, t1)."""
-    name, attributes = _method_info(details.method)
+    name, attributes = _method_info(method)
     span = b.tracer.start_span(name, kind=_CLIENT, attributes=attributes)
-    metadata = list(details.metadata or ())
+    metadata = list(metadata or ())
     _inject(span, metadata)
     t1 = None
     if b.now is not None:
@@ -185,7 +187,7 @@ def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
     if t1 is not None and trailing:
         for key, value in trailing:
             if key == CLOCK_KEY:
-                b.add_sample((t1, t4, value))   # parsed by the exporter thread (clock_probe.piggyback_sample)
+                b.add_sample((t1, t4, value))   # parsed by the exporter thread (clock_probe.add_piggyback_sample)
                 break
     if code is _OK:
         span.set_attribute(sc.RPC_GRPC_STATUS, 0)
@@ -196,59 +198,157 @@ def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
     span.end()
 
 
-def _outcome_finisher(b: _Binding, span, t1):
-    """A done-callback for a sync call (or its error) that finishes the client span."""
-    now = b.now
+def _call_finished(b: _Binding, span, t1, call) -> None:
+    """Finish the client span from a completed call (or the RpcError that ended it)."""
+    t4 = b.now() if b.now is not None else None
+    try:
+        code, trailing = call.code(), call.trailing_metadata()
+        details = call.details() if code is not _OK else None   # read only for an error
+    except Exception:  # an error that is not a call: it failed before reaching the server
+        code, trailing, details = grpc.StatusCode.UNKNOWN, None, None
+    _client_finish(b, span, t1, t4, code, trailing, details)
 
-    def finish(outcome) -> None:
-        t4 = now() if now is not None else None
+
+def _trailing_of_ok_call(call):
+    """The trailing metadata of a call with_call returned (so: done, and OK). grpc's
+    trailing_metadata() and code() wait on the call's condition, which costs as much as
+    the rest of the client span; a done call's state is read directly where grpc has it."""
+    state = getattr(call, "_state", None)
+    trailing = getattr(state, "trailing_metadata", _UNREAD)
+    return call.trailing_metadata() if trailing is _UNREAD else trailing
+
+
+_UNREAD = object()
+
+
+def _failed(span, exc: BaseException) -> None:
+    span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+    span.end()
+
+
+class _Traced:
+    """One method of an instrumented channel: the channel's own callable, made once, with
+    the span around it. (Not grpc.intercept_channel: its interceptor path makes a new
+    callable and two outcome objects per call, which cost about as much as all of the
+    tracing here.)"""
+
+    __slots__ = ("_call", "_method", "_bound")
+
+    def __init__(self, call, method, bound: _Bound):
+        self._call, self._method, self._bound = call, method, bound
+
+    def _start(self, metadata):
+        b = self._bound._bind()
+        return (b, *_client_start(b, self._method, metadata))
+
+
+class _UnaryResponse(_Traced):
+    __slots__ = ()
+
+    def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                  compression=None):
+        b, span, metadata, t1 = self._start(metadata)
         try:
-            code, trailing = outcome.code(), outcome.trailing_metadata()
-            details = outcome.details() if code is not _OK else None   # read only for an error
-        except Exception:  # a local failure before the call existed (_FailureOutcome)
-            code, trailing, details = grpc.StatusCode.UNKNOWN, None, None
-        _client_finish(b, span, t1, t4, code, trailing, details)
-
-    return finish
-
-
-class _Details(grpc.ClientCallDetails):
-    __slots__ = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
-
-    def __init__(self, details, metadata):
-        self.method = details.method
-        self.timeout = details.timeout
-        self.metadata = metadata
-        self.credentials = details.credentials
-        self.wait_for_ready = getattr(details, "wait_for_ready", None)
-        self.compression = getattr(details, "compression", None)
-
-
-class ClientInterceptor(_Bound, grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Sync client: one RPC_CLIENT span per call, ended when the call completes."""
-
-    def _intercept(self, continuation, details, request):
-        b = self._bind()
-        span, metadata, t1 = _client_start(b, details)
-        try:
-            outcome = continuation(_Details(details, metadata), request)
-        except BaseException as exc:
-            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-            span.end()
+            response, call = self._call.with_call(request, timeout, metadata, credentials, wait_for_ready,
+                                                  compression)
+        except grpc.RpcError as error:
+            _call_finished(b, span, t1, error)
             raise
-        outcome.add_done_callback(_outcome_finisher(b, span, t1))
-        return outcome
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+        t4 = b.now() if b.now is not None else None
+        _client_finish(b, span, t1, t4, _OK, _trailing_of_ok_call(call), None)
+        return response, call
 
-    intercept_unary_unary = _intercept
-    intercept_unary_stream = _intercept
-    intercept_stream_unary = _intercept
-    intercept_stream_stream = _intercept
+    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                 compression=None):
+        return self.with_call(request, timeout, metadata, credentials, wait_for_ready, compression)[0]
+
+    def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+               compression=None):
+        b, span, metadata, t1 = self._start(metadata)
+        try:
+            future = self._call.future(request, timeout, metadata, credentials, wait_for_ready, compression)
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+        future.add_done_callback(lambda done: _call_finished(b, span, t1, done))
+        return future
+
+
+class _StreamingResponse(_Traced):
+    """The span ends when the call completes."""
+
+    __slots__ = ()
+
+    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
+                 compression=None):
+        b, span, metadata, t1 = self._start(metadata)
+        try:
+            call = self._call(request, timeout, metadata, credentials, wait_for_ready, compression)
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+        call.add_done_callback(lambda done: _call_finished(b, span, t1, done))
+        return call
+
+
+class _TracedUnaryUnary(_UnaryResponse, grpc.UnaryUnaryMultiCallable):
+    pass
+
+
+class _TracedStreamUnary(_UnaryResponse, grpc.StreamUnaryMultiCallable):
+    pass
+
+
+class _TracedUnaryStream(_StreamingResponse, grpc.UnaryStreamMultiCallable):
+    pass
+
+
+class _TracedStreamStream(_StreamingResponse, grpc.StreamStreamMultiCallable):
+    pass
+
+
+class _TracedChannel(grpc.Channel):
+    """A channel whose calls are traced: every method's callable is wrapped once."""
+
+    def __init__(self, channel: grpc.Channel, tracer_provider):
+        self._channel = channel
+        self._bound = _Bound(tracer_provider)
+
+    def unary_unary(self, method, *args, **kwargs):
+        return _TracedUnaryUnary(self._channel.unary_unary(method, *args, **kwargs), method, self._bound)
+
+    def unary_stream(self, method, *args, **kwargs):
+        return _TracedUnaryStream(self._channel.unary_stream(method, *args, **kwargs), method, self._bound)
+
+    def stream_unary(self, method, *args, **kwargs):
+        return _TracedStreamUnary(self._channel.stream_unary(method, *args, **kwargs), method, self._bound)
+
+    def stream_stream(self, method, *args, **kwargs):
+        return _TracedStreamStream(self._channel.stream_stream(method, *args, **kwargs), method, self._bound)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._channel.subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._channel.unsubscribe(callback)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self._channel.close()
+        return False
 
 
 def instrument_channel(channel: grpc.Channel, tracer_provider=None) -> grpc.Channel:
     """A channel whose calls are traced as RPC_CLIENT spans and carry the trace context."""
-    return grpc.intercept_channel(channel, ClientInterceptor(tracer_provider))
+    return _TracedChannel(channel, tracer_provider)
 
 
 class _AioClient(_Bound):
@@ -258,7 +358,7 @@ class _AioClient(_Bound):
 
     async def _intercept(self, continuation, details, request):
         b = self._bind()
-        span, metadata, t1 = _client_start(b, details)
+        span, metadata, t1 = _client_start(b, details.method, details.metadata)
         try:
             call = await continuation(grpc.aio.ClientCallDetails(
                 details.method, details.timeout, grpc.aio.Metadata(*metadata), details.credentials,
@@ -320,13 +420,8 @@ class _ServerCall:
     def __init__(self, b: _Binding, method, invocation_metadata, t2, context):
         self.b = b
         self.context = context
-        carrier = {}
-        t1 = None
-        for key, value in invocation_metadata or ():
-            if key == T1_KEY:
-                t1 = value
-            else:
-                carrier[key] = value
+        carrier = dict(invocation_metadata or ())
+        t1 = carrier.pop(T1_KEY, None)
         self.t1 = t1 if b.now is not None else None
         self.t2 = t2
         ids = _traceparent(carrier) if b.now is not None else None   # b.now: crosstrace's own tracer
@@ -429,9 +524,18 @@ def _wrap_sync(b: _Binding, method, metadata, t2, behavior, streaming_response: 
                 call.finish(exc)
         return traced_stream
 
-    def traced(request, context):
-        with _ServerCall(b, method, metadata, t2, context):
-            return behavior(request, context)
+    def traced(request, context):   # what `with _ServerCall(...)` does, without its calls
+        call = _ServerCall(b, method, metadata, t2, context)
+        token = call.enter()
+        try:
+            response = behavior(request, context)
+        except BaseException as exc:
+            call.finish(exc)
+            detach(token)
+            raise
+        call.finish(None)
+        detach(token)
+        return response
     return traced
 
 
@@ -443,7 +547,7 @@ _FACTORIES = (
 )
 
 
-_unary_unary_handler = grpc.unary_unary_rpc_method_handler
+_RpcMethodHandler = type(grpc.unary_unary_rpc_method_handler(None))  # made directly: grpc's factory imports per call
 
 
 def _rewrap(handler, wrap):
@@ -472,8 +576,8 @@ class ServerInterceptor(_Bound, grpc.ServerInterceptor):
         method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
         behavior = handler.unary_unary
         if behavior is not None:   # the common case, without the general rewrap
-            return _unary_unary_handler(_wrap_sync(b, method, metadata, t2, behavior, False),
-                                        handler.request_deserializer, handler.response_serializer)
+            return _RpcMethodHandler(False, False, handler.request_deserializer, handler.response_serializer,
+                                     _wrap_sync(b, method, metadata, t2, behavior, False), None, None, None)
         return _rewrap(handler, lambda behavior, streaming: _wrap_sync(b, method, metadata, t2, behavior, streaming))
 
 
