@@ -104,8 +104,9 @@ def check_statuses(spans) -> None:
 # -- sync -------------------------------------------------------------------------------------
 
 def sync_server(provider, handlers: dict) -> tuple[grpc.Server, str]:
+    """A server traced by `provider`; a plain one for None."""
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(4),
-                         interceptors=[crosstrace.server_interceptor(provider)])
+                         interceptors=[crosstrace.server_interceptor(provider)] if provider else [])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -287,14 +288,10 @@ def test_plain_peers_get_no_extra_metadata(collector):
         seen.append(dict(context.invocation_metadata()))
         return request
 
-    plain = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
-    plain.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Svc", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
-    plain_port = plain.add_insecure_port("127.0.0.1:0")
-    plain.start()
+    plain, plain_address = sync_server(None, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
     traced, traced_address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
     try:
-        channel = crosstrace.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{plain_port}"), provider)
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(plain_address), provider)
         _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
         assert ct_grpc.T1_KEY in seen[-1] and "traceparent" in seen[-1]
         assert not any(k == ct_grpc.CLOCK_KEY for k, _ in call.trailing_metadata())
@@ -322,13 +319,9 @@ def test_a_garbled_clock_trailer_costs_the_sample_only(collector):
         context.set_trailing_metadata(((ct_grpc.CLOCK_KEY, next(trailers)),))
         return request
 
-    plain = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
-    plain.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Svc", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
-    port = plain.add_insecure_port("127.0.0.1:0")
-    plain.start()
+    plain, address = sync_server(None, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
     try:
-        channel = crosstrace.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), provider)
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
         assert [channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) for _ in range(5)] == [b"x"] * 5
     finally:
         plain.stop(0)

@@ -241,6 +241,18 @@ class _Traced:
         b = self._bound._bind()
         return (b, *_client_start(b, self._method, metadata))
 
+    def _ended_on_completion(self, invoke, request, timeout, metadata, credentials, wait_for_ready,
+                             compression):
+        """Start the call with `invoke`; its span ends when the call completes."""
+        b, span, metadata, t1 = self._start(metadata)
+        try:
+            call = invoke(request, timeout, metadata, credentials, wait_for_ready, compression)
+        except BaseException as exc:
+            _failed(span, exc)
+            raise
+        call.add_done_callback(lambda done: _call_finished(b, span, t1, done))
+        return call
+
 
 class _UnaryResponse(_Traced):
     __slots__ = ()
@@ -267,31 +279,17 @@ class _UnaryResponse(_Traced):
 
     def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                compression=None):
-        b, span, metadata, t1 = self._start(metadata)
-        try:
-            future = self._call.future(request, timeout, metadata, credentials, wait_for_ready, compression)
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
-        future.add_done_callback(lambda done: _call_finished(b, span, t1, done))
-        return future
+        return self._ended_on_completion(self._call.future, request, timeout, metadata, credentials,
+                                         wait_for_ready, compression)
 
 
 class _StreamingResponse(_Traced):
-    """The span ends when the call completes."""
-
     __slots__ = ()
 
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
-        b, span, metadata, t1 = self._start(metadata)
-        try:
-            call = self._call(request, timeout, metadata, credentials, wait_for_ready, compression)
-        except BaseException as exc:
-            _failed(span, exc)
-            raise
-        call.add_done_callback(lambda done: _call_finished(b, span, t1, done))
-        return call
+        return self._ended_on_completion(self._call, request, timeout, metadata, credentials, wait_for_ready,
+                                         compression)
 
 
 class _TracedUnaryUnary(_UnaryResponse, grpc.UnaryUnaryMultiCallable):
