@@ -170,9 +170,10 @@ def _extract(carrier: dict) -> Context:
 
 # -- client side ----------------------------------------------------------------------------
 
-def _client_start(b: _Binding, method, metadata):
-    """Start the client span; returns (span, metadata to send, t1)."""
-    name, attributes = _method_info(method)
+def _client_start(b: _Binding, info: tuple[str, dict], metadata):
+    """Start the client span of a method (its _method_info); returns (span, metadata to
+    send, t1)."""
+    name, attributes = info
     span = b.tracer.start_span(name, kind=_CLIENT, attributes=attributes)
     metadata = list(metadata or ())
     _inject(span, metadata)
@@ -233,14 +234,14 @@ class _Traced:
     callable and two outcome objects per call, which cost about as much as all of the
     tracing here.)"""
 
-    __slots__ = ("_call", "_method", "_bound")
+    __slots__ = ("_call", "_info", "_bound")
 
     def __init__(self, call, method, bound: _Bound):
-        self._call, self._method, self._bound = call, method, bound
+        self._call, self._info, self._bound = call, _method_info(method), bound
 
     def _start(self, metadata):
         b = self._bound._bind()
-        return (b, *_client_start(b, self._method, metadata))
+        return (b, *_client_start(b, self._info, metadata))
 
     def _ended_on_completion(self, invoke, request, timeout, metadata, credentials, wait_for_ready,
                              compression):
@@ -357,7 +358,7 @@ class _AioClient(_Bound):
 
     async def _intercept(self, continuation, details, request):
         b = self._bind()
-        span, metadata, t1 = _client_start(b, details.method, details.metadata)
+        span, metadata, t1 = _client_start(b, _method_info(details.method), details.metadata)
         try:
             call = await continuation(grpc.aio.ClientCallDetails(
                 details.method, details.timeout, grpc.aio.Metadata(*metadata), details.credentials,
@@ -428,7 +429,7 @@ class _ServerCall:
             self.parent = Context({_SPAN_KEY: RemoteParent(ids[0], ids[1])})
         else:
             self.parent = _extract(carrier)
-        name, attributes = _method_info(method)
+        name, attributes = _method_cache.get(method) or _method_info(method)
         self.span = b.tracer.start_span(name, context=self.parent, kind=_SERVER, attributes=attributes)
         if t2 is not None and isinstance(self.span, Span):
             self.span.start = t2   # the call arrived at t2; the handler may start later
