@@ -308,6 +308,42 @@ def test_plain_peers_get_no_extra_metadata(collector):
     assert samples == []
 
 
+class _TagInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """A user's own client interceptor: adds a header."""
+
+    def intercept_unary_unary(self, continuation, details, request):
+        details = details._replace(metadata=[*(details.metadata or ()), ("user-tag", "7")])
+        return continuation(details, request)
+
+
+def test_an_instrumented_channel_composes_with_the_users_interceptors(collector):
+    """instrument_channel over grpc.intercept_channel (and the reverse): both see the call,
+    the trace context and the clock sample come through either way."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
+    seen = []
+
+    def echo(request, context):
+        seen.append(dict(context.invocation_metadata()))
+        return request
+
+    server, address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    try:
+        outer = crosstrace.instrument_channel(grpc.intercept_channel(grpc.insecure_channel(address),
+                                                                     _TagInterceptor()), provider)
+        inner = grpc.intercept_channel(crosstrace.instrument_channel(grpc.insecure_channel(address), provider),
+                                       _TagInterceptor())
+        for channel in (outer, inner):
+            assert channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
+    finally:
+        server.stop(0)
+    assert provider.force_flush(20_000)
+    provider.shutdown()
+    assert all(m["user-tag"] == "7" and "traceparent" in m and ct_grpc.T1_KEY in m for m in seen) and len(seen) == 2
+    spans, samples = load(collector)
+    assert sorted(s["kind"] for s in spans) == [Kind.RPC_CLIENT, Kind.RPC_CLIENT, Kind.RPC_SERVER, Kind.RPC_SERVER]
+    assert [peer for _, _, peer, *_ in samples] == ["solo", "solo"]
+
+
 def test_a_garbled_clock_trailer_costs_the_sample_only(collector):
     """A server answering nonsense in the clock trailer (every shape of it) neither fails the
     call nor loses its span: the bad samples are dropped on the exporter thread, the good
