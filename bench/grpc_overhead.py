@@ -2,15 +2,14 @@
 server interceptor, and opentelemetry-instrumentation-grpc with the OpenTelemetry SDK, in
 the same run.
 
-Client and server are instrumented alike in each configuration (a fresh server and
-channel per configuration and round, all in this process). crosstrace exports for real, in
-the background, to a collector process, and piggybacks a clock sample on every call; the
-SDK runs a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Short
-rounds cycle through the three, each first in turn, so that machine noise hits them
-alike, in blocks with fresh servers and channels; the added cost of each is the
-median over rounds of (its time - the untraced time of the same round), in wall time and
-in this process's CPU time (client, server and crosstrace's exporter threads; steadier
-than wall time on a shared machine).
+Client and server are instrumented alike in each configuration, all in this process.
+crosstrace exports for real, in the background, to a collector process, and piggybacks a
+clock sample on every call; the SDK runs a BatchSpanProcessor with a no-op exporter (its
+cheapest configuration). Short rounds cycle through the three, each first in turn, so
+that machine noise hits them alike, in blocks with a fresh server and channel per
+configuration. The added cost of each is the median over rounds of (its time - the
+untraced time of the same round), in wall time and in this process's CPU time (client,
+server and crosstrace's exporter threads; steadier than wall time on a shared machine).
 Target (issue 6): crosstrace adds <= 1/3 of what the OpenTelemetry instrumentation adds.
 
     python bench/grpc_overhead.py [--calls N] [--rounds R] [--blocks B]
@@ -133,12 +132,13 @@ def main() -> None:
     added = {(name, k): statistics.median(t[k] - base[k] for t, base in zip(times[name], times["none"]))
              for name in ("crosstrace", "opentelemetry") for k in (0, 1)}
     print(f"unary calls per round: {args.calls}, rounds: {args.blocks} x {args.rounds}, client and server in one process")
-    for name, label in (("none", "no tracing"), ("crosstrace", "crosstrace interceptors"),
+    for name, label in (("none", "no tracing"), ("crosstrace", "crosstrace"),
                         ("opentelemetry", "opentelemetry-instrumentation-grpc + SDK")):
         wall, cpu = (statistics.median(t[k] for t in times[name]) for k in (0, 1))
         extra = f"   adds {added[name, 0]:6.1f} us (CPU {added[name, 1]:6.1f} us)" if name != "none" else ""
-        print(f"{label:42s} {wall:7.1f} us/call (CPU {cpu:6.1f}){extra}   (rounds: "
-              + ", ".join(f"{t[0]:.0f}" for t in times[name]) + ")")
+        quartiles = statistics.quantiles([t[0] for t in times[name]], n=4)
+        print(f"{label:41s} {wall:7.1f} us/call (CPU {cpu:6.1f}){extra}   (rounds' middle half: "
+              f"{quartiles[0]:.0f}-{quartiles[2]:.0f} us)")
     for k, what in ((0, "wall"), (1, "CPU")):
         ratio = added["crosstrace", k] / added["opentelemetry", k]
         print(f"added {what} time crosstrace / opentelemetry: {ratio:.3f}   (target <= 0.333)")
