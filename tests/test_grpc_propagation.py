@@ -419,3 +419,45 @@ def test_trace_state_and_baggage_cross_the_call(collector):
     provider.shutdown()
     assert seen[b"both"] == (0x1234, "vendor=v1", "acme")
     assert seen[b"plain"] == (plain.trace_id, "", None)
+
+
+def test_with_another_opentelemetry_provider_the_calls_are_still_traced():
+    """Bound to the OpenTelemetry SDK's provider, the channel and the server interceptor make
+    SDK spans through the OpenTelemetry API (no clock samples): the server span is the client
+    span's child, across the call, the status code is set, and a failing call is an error."""
+    from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    exported = InMemorySpanExporter()
+    sdk = SdkProvider()
+    sdk.add_span_processor(SimpleSpanProcessor(exported))
+
+    def fail(request, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+
+    seen = []
+
+    def echo(request, context):
+        seen.append(dict(context.invocation_metadata()))
+        return request
+
+    server, address = sync_server(sdk, {"Echo": grpc.unary_unary_rpc_method_handler(echo),
+                                        "Fail": grpc.unary_unary_rpc_method_handler(fail)})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), sdk)
+        assert channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
+        with pytest.raises(grpc.RpcError):
+            channel.unary_unary("/test.Svc/Fail")(b"x", timeout=10)
+    finally:
+        server.stop(0)
+    sdk.shutdown()
+    assert ct_grpc.T1_KEY not in seen[0]        # no crosstrace clock: no sample asked for
+    spans = {(s.name, s.kind): s for s in exported.get_finished_spans()}
+    client, server_span = spans["test.Svc/Echo", SpanKind.CLIENT], spans["test.Svc/Echo", SpanKind.SERVER]
+    assert server_span.parent.span_id == client.context.span_id
+    assert server_span.context.trace_id == client.context.trace_id
+    assert client.attributes[sc.RPC_GRPC_STATUS] == 0 and client.attributes[sc.RPC_SERVICE] == "test.Svc"
+    assert spans["test.Svc/Fail", SpanKind.CLIENT].status.status_code == StatusCode.ERROR
+    assert spans["test.Svc/Fail", SpanKind.SERVER].attributes[sc.RPC_GRPC_STATUS] == grpc.StatusCode.NOT_FOUND.value[0]
