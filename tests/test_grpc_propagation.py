@@ -461,3 +461,24 @@ def test_with_another_opentelemetry_provider_the_calls_are_still_traced():
     assert client.attributes[sc.RPC_GRPC_STATUS] == 0 and client.attributes[sc.RPC_SERVICE] == "test.Svc"
     assert spans["test.Svc/Fail", SpanKind.CLIENT].status.status_code == StatusCode.ERROR
     assert spans["test.Svc/Fail", SpanKind.SERVER].attributes[sc.RPC_GRPC_STATUS] == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+@pytest.mark.parametrize("state", ["disabled", "shut down"])
+def test_a_disabled_or_shut_down_provider_leaves_the_calls_alone(collector, state):
+    """CROSSTRACE_DISABLED (or a provider already shut down) gives no-op tracers: the
+    service's calls go on, unary and streaming, traced by nothing."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="off", udp_clock=False,
+                                         disabled=state == "disabled")
+    if state == "shut down":
+        provider.shutdown()
+    server, address = sync_server(provider, {
+        "Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+        "Stream": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([request] * 2))})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        assert channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
+        assert list(channel.unary_stream("/test.Svc/Stream")(b"y", timeout=10)) == [b"y", b"y"]
+    finally:
+        server.stop(0)
+    provider.shutdown()
+    assert load(collector) == ([], [])

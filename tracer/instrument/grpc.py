@@ -70,19 +70,20 @@ class _Binding:
     __slots__ = ("tracer", "start_span", "now", "add_sample", "node", "final")
 
     def __init__(self, provider):
-        from ..provider import TracerProvider
+        from ..provider import Tracer, TracerProvider
 
-        self.tracer = provider.get_tracer(__name__)
+        tracer = self.tracer = provider.get_tracer(__name__)
         self.final = not isinstance(provider, trace_api.ProxyTracerProvider)
+        if isinstance(tracer, Tracer):   # not a disabled or shut-down provider's no-op tracer
+            self.start_span = partial(tracer._start, Span, links=None, start_time=None)
+        else:
+            self.start_span = lambda name, context, kind, attributes: tracer.start_span(
+                name, context, kind, attributes)
         if isinstance(provider, TracerProvider):
-            self.start_span = partial(self.tracer._start, Span, links=None, start_time=None)
             self.now = provider.clock.now
             self.add_sample = provider.add_clock_sample
             self.node = quote(provider.node_id, safe="")  # metadata values are printable ASCII
         else:
-            tracer = self.tracer
-            self.start_span = lambda name, context, kind, attributes: tracer.start_span(
-                name, context, kind, attributes)
             self.now = self.add_sample = self.node = None
 
 
@@ -279,7 +280,11 @@ class _UnaryResponse(_Traced):
             _failed(span, exc)
             raise
         t4 = b.now() if b.now is not None else None
-        _client_finish(b, span, t1, t4, _OK, _trailing_of_ok_call(call), None)
+        try:
+            trailing = _trailing_of_ok_call(call)
+        except Exception:   # an inner interceptor's outcome without one: no clock sample
+            trailing = None
+        _client_finish(b, span, t1, t4, _OK, trailing, None)
         return response, call
 
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
@@ -541,14 +546,15 @@ def _traced_once(b: _Binding, method, metadata, t2, behavior, request, context):
     call = _ServerCall(b, method, metadata, t2, context)
     token = attach(context_with(call.span, call.parent))
     try:
-        response = behavior(request, context)
-    except BaseException as exc:
-        call.finish(exc)
+        try:
+            response = behavior(request, context)
+        except BaseException as exc:
+            call.finish(exc)
+            raise
+        call.finish(None)
+        return response
+    finally:
         detach(token)
-        raise
-    call.finish(None)
-    detach(token)
-    return response
 
 
 _FACTORIES = (
@@ -562,6 +568,9 @@ _FACTORIES = (
 # grpc's RpcMethodHandler (a namedtuple), made directly: grpc's factory imports per call.
 _RpcMethodHandler = type(grpc.unary_unary_rpc_method_handler(None))
 _new_tuple = tuple.__new__
+_HANDLER_FIELDS = ("request_streaming", "response_streaming", "request_deserializer", "response_serializer",
+                   "unary_unary", "unary_stream", "stream_unary", "stream_stream")
+_DIRECT_HANDLER = getattr(_RpcMethodHandler, "_fields", None) == _HANDLER_FIELDS   # else grpc's factory
 
 
 def _rewrap(handler, wrap):
@@ -589,7 +598,7 @@ class ServerInterceptor(_Bound, grpc.ServerInterceptor):
             return None
         method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
         behavior = handler.unary_unary
-        if behavior is not None:   # the common case, without the general rewrap
+        if behavior is not None and _DIRECT_HANDLER:   # the common case, without the general rewrap
             return _new_tuple(_RpcMethodHandler, (False, False, handler.request_deserializer,
                                                   handler.response_serializer,
                                                   partial(_traced_once, b, method, metadata, t2, behavior),
