@@ -39,21 +39,16 @@ def echo(request, context):
     return request
 
 
-def serve(interceptors) -> tuple[grpc.Server, int]:
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), interceptors=interceptors)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
-
-
 @contextlib.contextmanager
 def connect(interceptors, instrument):
     """A server and channel for one configuration in one block of rounds (a server's
     threads land where they land: two instances of one configuration can differ by tens of
     us per call; fresh ones per block spread that over the run)."""
-    server, port = serve(interceptors)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), interceptors=interceptors)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
     channel = instrument(grpc.insecure_channel(f"127.0.0.1:{port}"))
     try:
         yield channel.unary_unary(METHOD)
@@ -114,15 +109,16 @@ def main() -> None:
                                              lambda channel: otel_intercept_channel(
                                                  channel, otel_client_interceptor(tracer_provider=sdk))),
         }
-        times = {name: [] for name in setups}
-        for block in range(args.blocks):
+        names = list(setups)
+        times = {name: [] for name in names}
+        for _ in range(args.blocks):
             with contextlib.ExitStack() as stack:
                 calls = {name: stack.enter_context(setup()) for name, setup in setups.items()}
                 for call in calls.values():
                     per_call_us(call, 300)   # warm up: connections, caches
                 for k in range(args.rounds):
-                    names = list(calls)
-                    for name in names[k % 3:] + names[:k % 3]:   # each configuration first in turn
+                    first = k % len(names)   # each configuration first in turn
+                    for name in names[first:] + names[:first]:
                         times[name].append(per_call_us(calls[name], args.calls))
         flushed = ours.force_flush(60_000)
         wire = metadata_bytes(ours)

@@ -113,6 +113,17 @@ def sync_server(provider, handlers: dict) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+def metadata_echo() -> tuple[list[dict], grpc.RpcMethodHandler]:
+    """A unary echo handler, and the list it keeps each call's invocation metadata in."""
+    seen = []
+
+    def echo(request, context):
+        seen.append(dict(context.invocation_metadata()))
+        return request
+
+    return seen, grpc.unary_unary_rpc_method_handler(echo)
+
+
 def test_sync_unary_and_streaming_across_two_hops(collector):
     tiers = providers(collector)
     work = tiers["back"].get_tracer("test")
@@ -282,14 +293,9 @@ def test_plain_peers_get_no_extra_metadata(collector):
     """A crosstrace client and a plain server (or the reverse) work as before: the server
     answers no clock trailer to a client that sent no t1, and no sample is made."""
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
-    seen = []
-
-    def echo(request, context):
-        seen.append(dict(context.invocation_metadata()))
-        return request
-
-    plain, plain_address = sync_server(None, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
-    traced, traced_address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    seen, echo = metadata_echo()
+    plain, plain_address = sync_server(None, {"Echo": echo})
+    traced, traced_address = sync_server(provider, {"Echo": echo})
     try:
         channel = crosstrace.instrument_channel(grpc.insecure_channel(plain_address), provider)
         _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
@@ -320,13 +326,8 @@ def test_an_instrumented_channel_composes_with_the_users_interceptors(collector)
     """instrument_channel over grpc.intercept_channel (and the reverse): both see the call,
     the trace context and the clock sample come through either way."""
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
-    seen = []
-
-    def echo(request, context):
-        seen.append(dict(context.invocation_metadata()))
-        return request
-
-    server, address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    seen, echo = metadata_echo()
+    server, address = sync_server(provider, {"Echo": echo})
     try:
         outer = crosstrace.instrument_channel(grpc.intercept_channel(grpc.insecure_channel(address),
                                                                      _TagInterceptor()), provider)
@@ -371,21 +372,16 @@ def test_a_garbled_clock_trailer_costs_the_sample_only(collector):
 def test_wire_cost_is_a_few_hundred_bytes(collector):
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="edge-node-with-a-long-name/12345",
                                          udp_clock=False)
-    seen = []
-
-    def echo(request, context):
-        seen.extend((k, v) for k, v in context.invocation_metadata()
-                    if k in ("traceparent", "tracestate", ct_grpc.T1_KEY))
-        return request
-
-    server, address = sync_server(provider, {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+    seen, echo = metadata_echo()
+    server, address = sync_server(provider, {"Echo": echo})
     channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
     _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
     trailer = [(k, v) for k, v in call.trailing_metadata() if k == ct_grpc.CLOCK_KEY]
     server.stop(0)
     provider.shutdown()
     assert len(trailer) == 1 and trailer[0][1].endswith("edge-node-with-a-long-name%2F12345")
-    added = sum(len(k) + len(v) for k, v in seen + trailer)
+    sent = [(k, v) for k, v in seen[0].items() if k in ("traceparent", "tracestate", ct_grpc.T1_KEY)]
+    added = sum(len(k) + len(v) for k, v in sent + trailer)
     assert 100 < added < 300, added
 
 
@@ -437,14 +433,8 @@ def test_with_another_opentelemetry_provider_the_calls_are_still_traced():
     def fail(request, context):
         context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
 
-    seen = []
-
-    def echo(request, context):
-        seen.append(dict(context.invocation_metadata()))
-        return request
-
-    server, address = sync_server(sdk, {"Echo": grpc.unary_unary_rpc_method_handler(echo),
-                                        "Fail": grpc.unary_unary_rpc_method_handler(fail)})
+    seen, echo = metadata_echo()
+    server, address = sync_server(sdk, {"Echo": echo, "Fail": grpc.unary_unary_rpc_method_handler(fail)})
     try:
         channel = crosstrace.instrument_channel(grpc.insecure_channel(address), sdk)
         assert channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
