@@ -111,12 +111,12 @@ REPLAY = textwrap.dedent("""
     for i in range(n):
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass
-    spans = list(queue.queue)
-    chunks = [spans[i:i + 8192] for i in range(0, n, 8192)]
+    entries = list(queue.queue)
+    spans, attributes = entries[0::2], entries[1::2]
     session, messages = os.urandom(16), []
-    for seq, chunk in enumerate(chunks, 1):
+    for seq, i in enumerate(range(0, n, 8192), 1):
         batch = pb.SpanBatch(resource=pb.Resource(node_id=f"replay-{os.getpid()}"), session_id=session, seq=seq)
-        encode_spans(batch, chunk)
+        encode_spans(batch, spans[i:i + 8192], attributes[i:i + 8192])
         messages.append(batch.SerializeToString())
     channel = grpc.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 64 << 20)])
     export = channel.stream_stream("/crosstrace.v1.Collector/Export", request_serializer=None,

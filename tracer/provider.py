@@ -178,10 +178,11 @@ class ScopedSpan(Span):
             return self.end()  # warns about the double end
         # Span.end(), inlined: this is the hot path of every `with` span.
         sink = self._sink
-        self.end_ns = sink.now()
+        end = self.end_ns = sink.now()
         queue = sink.queue
-        if len(queue) < sink.max_queue:
-            queue.append(self)
+        if len(queue) < sink.max_entries:
+            queue.extend(((self.trace_id, self.span_id, self.parent_id, self.name, self.kind, self.start, end,
+                           self.thread, self.extras), self.attributes))
             if len(queue) == sink.wake_at:
                 sink.wake()
         else:

@@ -1,8 +1,11 @@
 """The span record: a slotted object that implements the OpenTelemetry Span API.
 
 Its hot path is two clock reads, a thread id, and an append to the export queue on
-end(). Nothing is copied, validated or encoded here: the exporter thread does that
-for whole batches.
+end(). Nothing is validated or encoded here: the exporter thread does that for whole
+batches.
+
+What end() queues is the span's fields and attributes (ExportQueue says why), not the
+span itself, which dies at end() unless its caller keeps it.
 """
 import traceback
 import warnings
@@ -41,10 +44,11 @@ class Span:
                           RuntimeWarning, stacklevel=2)
             return
         sink = self._sink
-        self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
+        end = self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
         queue = sink.queue
-        if len(queue) < sink.max_queue:
-            queue.append(self)
+        if len(queue) < sink.max_entries:
+            queue.extend(((self.trace_id, self.span_id, self.parent_id, self.name, self.kind, self.start, end,
+                           self.thread, self.extras), self.attributes))
             if len(queue) == sink.wake_at:
                 sink.wake()
         else:
