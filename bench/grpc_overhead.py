@@ -4,7 +4,7 @@ the same run.
 
 Client and server are instrumented alike in each configuration, all in this process.
 crosstrace exports for real, in the background, to a collector process, and piggybacks a
-clock sample on every call; the SDK runs a BatchSpanProcessor with a no-op exporter (its
+clock sample on a call per channel every 10 ms (its default); the SDK runs a BatchSpanProcessor with a no-op exporter (its
 cheapest configuration). Short rounds cycle through the three, each first in turn, so
 that machine noise hits them alike, in blocks with a fresh server and channel per
 configuration. The added cost of each is the median over rounds of (its time - the
@@ -67,7 +67,8 @@ def per_call_us(call, n: int) -> tuple[float, float]:
 
 
 def metadata_bytes(provider) -> int:
-    """Bytes crosstrace adds to one call: request metadata and the clock trailer, as key+value."""
+    """Bytes crosstrace adds to a call that samples the clock (a channel's first): request
+    metadata and the clock trailer, as key+value. Other calls carry the traceparent alone."""
     from crosstrace.tracer.instrument import grpc as ct_grpc
 
     seen = {}
@@ -138,7 +139,7 @@ def main() -> None:
     for k, what in ((0, "wall"), (1, "CPU")):
         ratio = added["crosstrace", k] / added["opentelemetry", k]
         print(f"added {what} time crosstrace / opentelemetry: {ratio:.3f}   (target <= 0.333)")
-    print(f"bytes crosstrace adds to a call (traceparent, clock trailer): {wire}")
+    print(f"bytes crosstrace adds to a call that samples the clock (traceparent, question, trailer): {wire}")
     print(f"all spans and clock samples acked by the collector: {flushed}, dropped spans: {samples_dropped}")
 
 

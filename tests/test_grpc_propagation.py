@@ -24,8 +24,10 @@ OFFSETS = {"client": 300_000_000, "middle": -200_000_000, "back": 50_000_000}
 
 
 def providers(collector) -> dict:
+    """One provider per tier, each asking for a clock sample on every call (so that every
+    kind of call is checked for one)."""
     return {node: crosstrace.TracerProvider(endpoint=collector.address, node_id=node, sim_clock_offset_ns=offset,
-                                            udp_clock=False)
+                                            udp_clock=False, rpc_clock_interval_ms=0)
             for node, offset in OFFSETS.items()}
 
 
@@ -290,9 +292,9 @@ def test_interceptors_built_before_init_bind_on_first_call(collector):
 
 
 def test_plain_peers_get_no_extra_metadata(collector):
-    """A crosstrace client and a plain server (or the reverse) work as before: the request
-    carries nothing but the traceparent, a server answers no clock trailer to an untraced
-    caller, and no sample is made."""
+    """A crosstrace client and a plain server (or the reverse) work as before: the plain
+    server ignores the question for a clock sample, a crosstrace server answers none to a
+    call that did not ask, and no sample is made."""
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
     seen, echo = metadata_echo()
     plain, plain_address = sync_server(None, {"Echo": echo})
@@ -300,7 +302,7 @@ def test_plain_peers_get_no_extra_metadata(collector):
     try:
         channel = crosstrace.instrument_channel(grpc.insecure_channel(plain_address), provider)
         _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
-        assert "traceparent" in seen[-1] and not any(k.startswith("crosstrace") for k in seen[-1])
+        assert "traceparent" in seen[-1] and seen[-1][ct_grpc.CLOCK_KEY] == "?"
         assert not any(k == ct_grpc.CLOCK_KEY for k, _ in call.trailing_metadata())
         with grpc.insecure_channel(traced_address) as bare:
             _, call = bare.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
@@ -350,7 +352,8 @@ def test_a_garbled_clock_trailer_costs_the_sample_only(collector):
     """A server answering nonsense in the clock trailer (every shape of it) neither fails the
     call nor loses its span: the bad samples are dropped on the exporter thread, the good
     one is kept."""
-    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False)
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False,
+                                         rpc_clock_interval_ms=0)
     trailers = iter(["", "12 x", "1 2", "99999999999999999999999 2 peer", "7 8 peer"])
 
     def echo(request, context):
@@ -444,7 +447,7 @@ def test_with_another_opentelemetry_provider_the_calls_are_still_traced():
     finally:
         server.stop(0)
     sdk.shutdown()
-    assert not any(k.startswith("crosstrace") for k in seen[0])   # the request carries the traceparent alone
+    assert ct_grpc.CLOCK_KEY not in seen[0]        # no crosstrace clock: no sample asked for
     spans = {(s.name, s.kind): s for s in exported.get_finished_spans()}
     client, server_span = spans["test.Svc/Echo", SpanKind.CLIENT], spans["test.Svc/Echo", SpanKind.SERVER]
     assert server_span.parent.span_id == client.context.span_id
@@ -473,3 +476,29 @@ def test_a_disabled_or_shut_down_provider_leaves_the_calls_alone(collector, stat
         server.stop(0)
     provider.shutdown()
     assert load(collector) == ([], [])
+
+
+def test_a_channel_asks_for_one_clock_sample_per_interval(collector):
+    """Within rpc_clock_interval_ms a channel asks on its first call only; the others carry
+    the traceparent alone and get no trailer. Each channel keeps its own interval."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False,
+                                         rpc_clock_interval_ms=60_000)
+    seen, echo = metadata_echo()
+    server, address = sync_server(provider, {"Echo": echo})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        trailers = [call.trailing_metadata() for _, call in
+                    (channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10) for _ in range(5))]
+        assert [channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) for _ in range(3)] == [b"x"] * 3
+        other = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        assert other.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
+    finally:
+        server.stop(0)
+    assert provider.force_flush(20_000)
+    provider.shutdown()
+    asked = [ct_grpc.CLOCK_KEY in m for m in seen]
+    assert asked == [True] + [False] * 7 + [True] and all("traceparent" in m for m in seen)
+    answered = [any(k == ct_grpc.CLOCK_KEY for k, _ in t) for t in trailers]
+    assert answered == [True] + [False] * 4
+    spans, samples = load(collector)
+    assert len(spans) == 2 * 9 and len(samples) == 2

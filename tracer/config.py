@@ -29,6 +29,7 @@ class Config:
     clock_probe_interval_s: float = 10.0
     clock_probe_burst: int = 8
     udp_clock: bool = True       # also probe the collector over UDP (kernel timestamps, ~us error)
+    rpc_clock_interval_ms: float = 10.0   # a gRPC channel asks for a clock sample on one call per interval (0: every call)
     ntp_servers: str = ""        # comma-separated host[:port]: sample this node's offset to UTC
     ntp_interval_s: float = 64.0
     ptp_uds: str = ""            # ptp4l's UNIX socket (e.g. /var/run/ptp4l): sample it through pmc
@@ -93,7 +94,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # reported and its default used.
 _MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unacked_mb": 1,
             "clock_probe_interval_s": 0.01, "clock_probe_burst": 1, "ntp_interval_s": 0.01,
-            "ptp_interval_s": 0.01, "exit_flush_timeout_s": 0, "spool_max_mb": 1}
+            "ptp_interval_s": 0.01, "exit_flush_timeout_s": 0, "spool_max_mb": 1, "rpc_clock_interval_ms": 0}
 
 
 def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:
