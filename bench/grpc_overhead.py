@@ -75,7 +75,7 @@ def metadata_bytes(provider) -> int:
 
     def capture(request, context):
         seen["request"] = [(k, v) for k, v in context.invocation_metadata()
-                           if k in ("traceparent", "tracestate") or k.startswith("crosstrace")]
+                           if k in ("traceparent", "tracestate", ct_grpc.T1_KEY)]
         return request
 
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(1),
@@ -139,7 +139,7 @@ def main() -> None:
     for k, what in ((0, "wall"), (1, "CPU")):
         ratio = added["crosstrace", k] / added["opentelemetry", k]
         print(f"added {what} time crosstrace / opentelemetry: {ratio:.3f}   (target <= 0.333)")
-    print(f"bytes crosstrace adds to a call that samples the clock (traceparent, question, trailer): {wire}")
+    print(f"bytes crosstrace adds to a call that samples the clock (traceparent, t1, trailer): {wire}")
     print(f"all spans and clock samples acked by the collector: {flushed}, dropped spans: {samples_dropped}")
 
 

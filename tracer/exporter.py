@@ -53,10 +53,11 @@ class ExportQueue:
 
     A queued span is two entries, put in by one extend() so that no other thread's come
     between them: its fields as a tuple of plain values, then its attributes dict (or
-    None). The garbage collector untracks such a tuple at its first collection; one that
-    held the dict would stay tracked while queued, like a span object, and thousands of
-    them would survive into the old generations, whose collections would traverse them
-    (and the whole process) again and again: 1-2 us per span here.
+    None). The garbage collector untracks such a tuple at its first collection (unless
+    it holds SpanExtras: a status, events, links, a tracestate); one that held the dict
+    would stay tracked while queued, like a span object, and thousands of them would
+    survive into the old generations, whose collections would traverse them (and the
+    whole process) again and again: 1-2 us per span here.
     """
 
     __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples")

@@ -8,15 +8,16 @@ OpenTelemetry propagator, and clock samples piggybacked on calls.
     server = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor()])
 
 Calls are also two-way clock exchanges: on one call per channel in each
-`rpc_clock_interval_ms` (10 ms; 0: every call) the client notes its send time t1 and asks
-(`crosstrace-clock: ?`); a crosstrace server answers in trailing metadata with its
+`rpc_clock_interval_ms` (10 ms; 0: every call, inf: the first only) the client sends its
+send time t1 (`crosstrace-t1`); a crosstrace server answers in trailing metadata with its
 receive and send times t2, t3 and its node id (`crosstrace-clock: "t2 t3 node"`); the
 client adds its receive time t4 and hands (t1, t4, trailer) to its provider, on the
 provider's clock; the exporter thread makes it a ClockSample(RPC_PIGGYBACK, peer=<server
 node>). The estimator keeps the lowest-delay exchanges of each window, so more samples
 add little, while the exchange is about a fifth of what tracing adds to a call. A server
-that is not crosstrace ignores the question, and a crosstrace server answers nothing to a
-call that did not ask. About 80 bytes per sampled call.
+that is not crosstrace ignores t1, and a crosstrace server answers nothing to a call that
+sent none. About 100 bytes per sampled call. The interval is kept per sync channel, and
+per interceptor for grpc.aio: give each aio channel its own aio_client_interceptors().
 (grpc.aio sends an aborting handler's status at once: such a call gives no sample.)
 
 The sync client is a channel wrapper, not an interceptor: grpc.intercept_channel's path
@@ -28,6 +29,7 @@ is not crosstrace's, spans are still made through the OpenTelemetry API, without
 import asyncio
 import inspect
 import logging
+import math
 import re
 from functools import partial
 from urllib.parse import quote
@@ -49,8 +51,8 @@ from ..span import RemoteParent, Span
 
 log = logging.getLogger("crosstrace.tracer")
 
+T1_KEY = "crosstrace-t1"
 CLOCK_KEY = "crosstrace-clock"
-_ASK = (CLOCK_KEY, "?")
 
 _CLIENT = trace_api.SpanKind.CLIENT
 _SERVER = trace_api.SpanKind.SERVER
@@ -85,7 +87,8 @@ class _Binding:
             self.now = provider.clock.now
             self.add_sample = provider.add_clock_sample
             self.node = quote(provider.node_id, safe="")  # metadata values are printable ASCII
-            self.sample_every_ns = int(provider.config.rpc_clock_interval_ms * 1_000_000)
+            interval = provider.config.rpc_clock_interval_ms
+            self.sample_every_ns = int(interval * 1_000_000) if math.isfinite(interval) else 1 << 62
         else:
             self.now = self.add_sample = self.node = self.sample_every_ns = None
 
@@ -191,7 +194,7 @@ def _client_start(b: _Binding, info: tuple[str, dict], metadata):
         t1 = b.now()
         if t1 >= b.next_sample:   # racy across threads at worst by a sample more
             b.next_sample = t1 + b.sample_every_ns
-            metadata.append(_ASK)
+            metadata.append((T1_KEY, str(t1)))
             return span, metadata, t1
     return span, metadata, None
 
@@ -452,7 +455,7 @@ class _ServerCall:
         self.b = b
         self.context = context
         carrier = dict(invocation_metadata or ())
-        self.t2 = t2 if carrier.pop(CLOCK_KEY, None) is not None else None   # asked for a clock sample
+        self.t2 = t2 if carrier.pop(T1_KEY, None) is not None else None   # asked for a clock sample
         ids = _traceparent(carrier) if b.now is not None else None   # b.now: crosstrace's own tracer
         if ids is not None and ids[2] & 1:
             self.parent = Context({_SPAN_KEY: RemoteParent(ids[0], ids[1])})
