@@ -4,8 +4,8 @@ the same run.
 
 Client and server are instrumented alike in each configuration, all in this process.
 crosstrace exports for real, in the background, to a collector process, and piggybacks a
-clock sample on a call per channel every 10 ms (its default); the SDK runs a BatchSpanProcessor with a no-op exporter (its
-cheapest configuration). Short rounds cycle through the three, each first in turn, so
+clock sample on one call per channel every 10 ms (its default); the SDK runs a
+BatchSpanProcessor with a no-op exporter (its cheapest configuration). Short rounds cycle through the three, each first in turn, so
 that machine noise hits them alike, in blocks with a fresh server and channel per
 configuration. The added cost of each is the median over rounds of (its time - the
 untraced time of the same round), in wall time and in this process's CPU time (client,

@@ -111,8 +111,7 @@ REPLAY = textwrap.dedent("""
     for i in range(n):
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass
-    entries = list(queue.queue)
-    spans, attributes = entries[0::2], entries[1::2]
+    spans, attributes = queue.take(n)
     session, messages = os.urandom(16), []
     for seq, i in enumerate(range(0, n, 8192), 1):
         batch = pb.SpanBatch(resource=pb.Resource(node_id=f"replay-{os.getpid()}"), session_id=session, seq=seq)

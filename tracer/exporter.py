@@ -70,6 +70,12 @@ class ExportQueue:
         self.wake = _noop
         self.reset_after_fork()
 
+    def take(self, max_spans: int) -> tuple[list, list]:
+        """Pop up to `max_spans` queued spans: (their fields, their attributes)."""
+        queue = self.queue
+        entries = [queue.popleft() for _ in range(min(len(queue), 2 * max_spans))]
+        return entries[0::2], entries[1::2]
+
     def reset_after_fork(self) -> None:
         """The child starts with an empty queue: the parent exports what it recorded."""
         self.queue = collections.deque()
@@ -259,12 +265,11 @@ class Exporter:
         first = True
         while queue or samples or (first and dropped != self._sent_dropped):
             first = False
-            entries = [queue.popleft() for _ in range(min(len(queue), 2 * size))]
-            spans = entries[0::2]
+            spans, attributes = self.queue.take(size)
             batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id,
                                  dropped_spans=dropped)
             if spans:
-                encode_spans(batch, spans, entries[1::2])
+                encode_spans(batch, spans, attributes)
             into = batch.clock_samples
             while samples:
                 sample = samples.popleft()

@@ -174,19 +174,7 @@ class ScopedSpan(Span):
             self.set_status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}")
         _detach(self._token)
         self._token = None
-        if self.end_ns:
-            return self.end()  # warns about the double end
-        # Span.end(), inlined: this is the hot path of every `with` span.
-        sink = self._sink
-        end = self.end_ns = sink.now()
-        queue = sink.queue
-        if len(queue) < sink.max_entries:
-            queue.extend(((self.trace_id, self.span_id, self.parent_id, self.name, self.kind, self.start, end,
-                           self.thread, self.extras), self.attributes))
-            if len(queue) == sink.wake_at:
-                sink.wake()
-        else:
-            sink.dropped += 1
+        self.end()
 
     def __call__(self, func):
         """Used as a decorator (`@tracer.start_as_current_span(...)`): each call gets a new
