@@ -111,11 +111,10 @@ REPLAY = textwrap.dedent("""
     for i in range(n):
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass
-    spans, attributes = queue.take(n)
     session, messages = os.urandom(16), []
-    for seq, i in enumerate(range(0, n, 8192), 1):
+    for seq in range(1, (n + 8191) // 8192 + 1):
         batch = pb.SpanBatch(resource=pb.Resource(node_id=f"replay-{os.getpid()}"), session_id=session, seq=seq)
-        encode_spans(batch, spans[i:i + 8192], attributes[i:i + 8192])
+        encode_spans(batch, queue.take(8192))
         messages.append(batch.SerializeToString())
     channel = grpc.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 64 << 20)])
     export = channel.stream_stream("/crosstrace.v1.Collector/Export", request_serializer=None,

@@ -1,21 +1,19 @@
 """Queued spans -> one columnar SpanBatch, on the exporter thread.
 
-A queued span is what Span.end() puts in the export queue: its fields (trace_id, span_id,
-parent_id, name, kind, start, end, thread, extras) and its attributes. Each field becomes
-one array of fixed-width little-endian values; attributes of the whole batch are one JSON
-document.
+A queued span is what Span.end() puts in the export queue: the FIELDS values (trace_id,
+span_id, parent_id, name, kind, start, end, thread, extras, attributes), one after the
+other. The exporter takes them as one list per field; each becomes one array of
+fixed-width little-endian values, and the attributes of the whole batch one JSON document.
 """
 import json
-from operator import itemgetter
 
 import numpy as np
 import orjson
 
 from ..proto import pb
 
+FIELDS = 10   # values per queued span, in the order above
 _U64, _I64, _U32 = np.dtype("<u8"), np.dtype("<i8"), np.dtype("<u4")
-# The fields of a queued span, in order.
-_trace_id, _span_id, _parent_id, _name, _kind, _start, _end, _thread, _extras = map(itemgetter, range(9))
 
 
 def _column(dtype: np.dtype, values, n: int) -> bytes:
@@ -68,25 +66,22 @@ def _sparse(extras: list) -> tuple[bytes, bytes]:
     return bytes(status), dumps(rows) if rows else b""
 
 
-def encode_spans(batch: "pb.SpanBatch", spans: list[tuple], attributes: list) -> None:
-    """Fill the span columns of `batch` from queued spans: their fields and attributes.
-
-    One pass per field (not zip(*spans), whose thousands of live iterators would be
-    promoted by the collections their own allocation triggers, and bring on full ones)."""
-    names = list(map(_name, spans))
+def encode_spans(batch: "pb.SpanBatch", columns: list[list]) -> None:
+    """Fill the span columns of `batch` from queued spans, given as one list per field."""
+    trace_ids, span_ids, parent_ids, names, kinds, starts, ends, threads, extras, attributes = columns
     strings = {name: i for i, name in enumerate(set(names))}
-    n = batch.count = len(spans)
+    n = batch.count = len(names)
     # 128-bit ids as 16 little-endian bytes each: (lo, hi) pairs of u64 (half the cost of shifts)
-    trace_ids = np.frombuffer(b"".join([t.to_bytes(16, "little") for t in map(_trace_id, spans)]), _U64)
-    batch.trace_id_hi = trace_ids[1::2].tobytes()
-    batch.trace_id_lo = trace_ids[0::2].tobytes()
-    batch.span_id = _column(_U64, map(_span_id, spans), n)
-    batch.parent_span_id = _column(_U64, map(_parent_id, spans), n)
-    batch.start_ns = _column(_I64, map(_start, spans), n)
-    batch.end_ns = _column(_I64, map(_end, spans), n)
-    batch.kind = bytes(map(_kind, spans))
+    ids = np.frombuffer(b"".join([t.to_bytes(16, "little") for t in trace_ids]), _U64)
+    batch.trace_id_hi = ids[1::2].tobytes()
+    batch.trace_id_lo = ids[0::2].tobytes()
+    batch.span_id = _column(_U64, span_ids, n)
+    batch.parent_span_id = _column(_U64, parent_ids, n)
+    batch.start_ns = _column(_I64, starts, n)
+    batch.end_ns = _column(_I64, ends, n)
+    batch.kind = bytes(kinds)
     batch.name = _column(_U32, map(strings.__getitem__, names), n)
-    batch.thread = _column(_U64, map(_thread, spans), n)
+    batch.thread = _column(_U64, threads, n)
     batch.strings.extend(strings)
     batch.attributes_json = dumps(attributes)
-    batch.status, batch.extras_json = _sparse(list(map(_extras, spans)))
+    batch.status, batch.extras_json = _sparse(extras)

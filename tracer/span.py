@@ -47,8 +47,8 @@ class Span:
         end = self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
         queue = sink.queue
         if len(queue) < sink.max_entries:
-            queue.extend(((self.trace_id, self.span_id, self.parent_id, self.name, self.kind, self.start, end,
-                           self.thread, self.extras), self.attributes))
+            queue.extend((self.trace_id, self.span_id, self.parent_id, self.name, self.kind, self.start, end,
+                          self.thread, self.extras, self.attributes))
             if len(queue) == sink.wake_at:
                 sink.wake()
         else:
