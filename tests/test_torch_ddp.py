@@ -48,13 +48,13 @@ def ddp(**options):
         mlp = WithUnused(mlp)
     return DDP(mlp, bucket_cap_mb=0.01, **options)   # several buckets
 
-def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True, backward_thread=False):
+def train(model, first_step, steps=5, straggle_s=0.0, set_to_none=True, backward_thread=False, every=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(rank)
     losses = []
     for k in range(first_step, first_step + steps):
         x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
-        with crosstrace.step(k):
+        with crosstrace.step(k, every=every):
             loss = nn.functional.mse_loss(model(x), y)
             if straggle_s and rank == STRAGGLER:
                 time.sleep(straggle_s)
@@ -98,6 +98,9 @@ train(toggled, 82, steps=2)                                             # not re
 crosstrace.instrument_ddp(toggled)
 train(toggled, 84, steps=2)
 train(crosstrace.instrument_ddp(ddp()), 110, steps=3, backward_thread=True)
+# every other step unsampled: its backward pass all-reduces through DDP's own group, in C++
+report["sampled_exact"] = same(train(ddp(), 120, steps=6),
+                               train(crosstrace.instrument_ddp(ddp()), 130, steps=6, every=2))
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -129,7 +132,7 @@ def test_gradients_are_exactly_ddps_own(ddp_job):
     reports, _ = ddp_job
     for report in reports:
         assert report["default_hook_exact"] and report["user_hook_exact"] and report["hooked_still_exact"]
-        assert report["views_exact"] and report["unused_exact"]
+        assert report["views_exact"] and report["unused_exact"] and report["sampled_exact"]
         assert report["flushed"]
 
 
@@ -156,7 +159,7 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
         by_step[step_of[r["trace"]], r["rank"]].append(r)
     toggled = {80, 81, 84, 85}  # 82 and 83 ran between uninstrument_ddp and instrument_ddp
     assert {k for k, _ in by_step} == {*range(10, 15), *range(20, 25), *range(40, 47), *range(60, 65),
-                                       *range(100, 105), *toggled, *range(110, 113)}
+                                       *range(100, 105), *toggled, *range(110, 113), 130, 132, 134}
     for (k, rank), mine in by_step.items():
         n_params, size = 6, 32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8  # 3 Linear layers: weight and bias each
         if 100 <= k < 105:
@@ -172,6 +175,10 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
     for rank in range(3):   # while untraced, the reducer all-reduced through the model's own group again
         seqs = {k: sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (81, 84)}
         assert seqs[84][0] == seqs[81][-1] + 1
+        # the unsampled steps' buckets (131, 133) went untraced and still took their numbers: as
+        # many as the next step has (130, the first, ran before DDP rebuilt its buckets)
+        seqs = [sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (130, 132, 134)]
+        assert all(b[0] == a[-1] + 1 + len(b) for a, b in zip(seqs, seqs[1:])), seqs
     step_start = {(step_of[r["trace"]], r["rank"]): r["start"] for r in rows if r["name"] == "step"}
     for (k, rank), mine in by_step.items():   # ready after the step began (and before the issue, above)
         assert all(r["a"][sc.DDP_READY_NS] >= step_start[k, rank] for r in mine)

@@ -530,7 +530,7 @@ def instrument_ddp(model, hook=None, state=None):
         if buckets.hook is None:
             # The reducer holds the C++ side only: without a Python reference the group's
             # Python methods would be gone, and the reducer would call the backends untraced.
-            buckets.reducer_group = _BucketGroup(model.process_group, buckets)
+            buckets.reducer_group = buckets.routed = _BucketGroup(model.process_group, buckets)
             model.reducer._update_process_group(buckets.reducer_group)
         elif _tracers.get(model) is not buckets:     # a new tracer with the user's hook
             model.register_comm_hook(buckets, _traced_bucket)
@@ -556,7 +556,7 @@ def uninstrument_ddp(model) -> None:
     buckets.sampled = False
     if buckets.reducer_group is not None:
         model.reducer._update_process_group(model.process_group)
-        buckets.reducer_group = None
+        buckets.reducer_group = buckets.routed = None
 
 
 def _comm_hook_of(model) -> str | None:
@@ -638,10 +638,12 @@ def _traced_bucket(state, bucket):
 
 class BucketTracer:
     """Records the gradient buckets of one DDP model. After each forward it decides whether
-    the backward pass to come is recorded (its step is sampled); in an unsampled step only
-    the collective counter advances per bucket. A bucket's ready time is its last
-    gradient's, from the times DDP's reducer notes for every gradient anyway, so no Python
-    runs per gradient."""
+    the backward pass to come is recorded (its step is sampled). An unsampled one runs
+    DDP's all-reduce untouched, in C++ through the model's own process group, and the
+    collective counter advances by its number of buckets at once; only where that number
+    is not known yet does it go through the recording group, which then counts each
+    bucket. A bucket's ready time is its last gradient's, from the times DDP's reducer
+    notes for every gradient anyway, so no Python runs per gradient."""
 
     def __init__(self, model, hook=None, state=None):
         self.hook, self.state = hook, state
@@ -657,7 +659,8 @@ class BucketTracer:
         self.reducer = None
         self.tracing = _Tracing   # the provider's tracer and clock, looked up after each forward
         self.backward_start = 0
-        self.reducer_group = None
+        self.reducer_group = None   # the recording group (without a hook of the user's)
+        self.routed = None          # the group the reducer all-reduces through now
         self.forward_handle = None
 
     def forward_done(self, module, inputs, output) -> None:
@@ -682,6 +685,21 @@ class BucketTracer:
             self.layout, self.layout_of = [], rebuilt   # tried again after the next rebuild only
             warn_once("ddp-layout", f"could not read this DDP model's buckets ({exc!r}); they are traced "
                                     "without their parameters")
+        if self.reducer_group is not None:
+            self._route(module)
+
+    def _route(self, module) -> None:
+        """Give the reducer the recording group for a sampled backward pass, the model's own
+        for an unsampled one whose buckets are known (their numbers are taken now). Between
+        a forward and its backward no all-reduce of DDP's is in flight."""
+        untraced = not self.sampled and bool(self.layout)
+        group = module.process_group if untraced else self.reducer_group
+        if group is not self.routed:
+            module.reducer._update_process_group(group)
+            self.routed = group
+        if untraced:
+            for _ in self.layout:
+                next(self.keys.seq)
 
     def issued(self, tensors):
         """DDP's reducer all-reduces `tensors`: the span of its bucket, None when the step is
