@@ -51,6 +51,24 @@ def test_nesting_attributes_events_links_status(provider, collector):
     assert t.start[o] <= t.start[i] <= t.end[i] <= t.end[o]
 
 
+def test_context_values_survive_nested_spans(provider):
+    """A span's context is its parent's with the span replaced: values beside it (baggage)
+    stay, and leaving the spans restores each context."""
+    from opentelemetry import baggage, context
+
+    tracer = provider.get_tracer("test")
+    token = context.attach(baggage.set_baggage("user", "u1"))
+    with tracer.start_as_current_span("outer") as outer:
+        with tracer.start_as_current_span("inner") as inner:
+            assert baggage.get_baggage("user") == "u1" and trace.get_current_span() is inner
+            assert inner.parent_id == outer.span_id
+        assert baggage.get_baggage("user") == "u1" and trace.get_current_span() is outer
+    context.detach(token)
+    with tracer.start_as_current_span("plain"):
+        assert baggage.get_baggage("user") is None
+    assert trace.get_current_span() is trace.INVALID_SPAN
+
+
 def test_exception_is_recorded_and_reraised(provider, collector):
     tracer = provider.get_tracer("test")
     with pytest.raises(ZeroDivisionError):

@@ -164,7 +164,9 @@ class ScopedSpan(Span):
 
     def __enter__(self) -> "ScopedSpan":
         parent = _get_context()
-        ctx = Context(parent) if parent else Context()   # copying even an empty Context costs 60 ns
+        # A context that holds a span only (most do) is not copied: this span replaces it,
+        # and a copy costs 60-130 ns more than a new Context.
+        ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
         dict.__setitem__(ctx, _SPAN_KEY, self)
         self._token = _attach(ctx)
         return self
