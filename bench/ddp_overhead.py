@@ -13,6 +13,11 @@ own Python allreduce_hook, untraced: what a comm hook costs against DDP's C++ al
 (that copy's placement counts in its ratio). Targets (issue 3): every step <= 1.02 x
 untraced, every 10th step <= 1.005 x.
 
+Four ranks on two cores wait for each other through the scheduler, and the untraced-again
+ratio spreads over several percent between runs. So the same worker then runs alone
+(world size 1): what each mode adds to its step, paired per round, is tracing's own cost
+on a rank's path, and is printed against the 4-rank untraced step too.
+
 The export runs on background threads (crosstrace's and gRPC's) whenever its interval comes
 round, so its cost falls on the blocks of every mode alike and the pairing cannot see it.
 It is measured apart: the CPU time of those threads over the run, against the ranks' whole
@@ -172,6 +177,26 @@ def step_cost_us(endpoint: str, n: int = 20000) -> dict:
     return out
 
 
+def run_job(world: int, endpoint: str) -> dict:
+    """Run the worker on `world` ranks; rank 0's result."""
+    from crosstrace.launch import free_port
+
+    port, procs = free_port(), []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "CROSSTRACE_ENDPOINT": endpoint, "CROSSTRACE_NODE_ID": f"bench-rank{rank}",
+               "CROSSTRACE_JOB_ID": f"ddp-bench-{world}"}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env,
+                                      stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True))
+    out, _ = procs[0].communicate(timeout=1800)
+    for proc in procs[1:]:
+        proc.wait(120)
+    if procs[0].returncode != 0 or not out.strip():
+        sys.exit(f"rank 0 of {world} failed ({procs[0].returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30, help="rounds; each runs every mode, in random order")
@@ -183,25 +208,12 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from crosstrace.launch import CollectorProcess, free_port
+    from crosstrace.launch import CollectorProcess
 
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp, CollectorProcess(f"{tmp}/bench.db") as collector:
-        procs = []
-        for rank in range(args.world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.world), "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                   "CROSSTRACE_ENDPOINT": collector.address, "CROSSTRACE_NODE_ID": f"bench-rank{rank}",
-                   "CROSSTRACE_JOB_ID": "ddp-bench"}
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env,
-                                          stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True))
-        out, _ = procs[0].communicate(timeout=1800)
-        for proc in procs[1:]:
-            proc.wait(120)
+        result = run_job(args.world, collector.address)
+        alone = run_job(1, collector.address)["times"]
         cost = step_cost_us(collector.address)
-    if procs[0].returncode != 0 or not out.strip():
-        sys.exit(f"rank 0 failed ({procs[0].returncode})")
-    result = json.loads(out.strip().splitlines()[-1])
     times = result["times"]
     medians = {mode: statistics.median(t for block in blocks for t in block) * 1e3 for mode, blocks in times.items()}
 
@@ -228,6 +240,16 @@ def main() -> None:
     print(f"ratio untraced again / untraced: {ratio('untraced 2'):.4f}   (no difference: the noise of this run)")
     print(f"ratio torch's own Python allreduce_hook, untraced / untraced: {ratio('python hook'):.4f}"
           "   (what any Python comm hook costs here, for reference)")
+    def added_us(mode: str) -> float:
+        """What a mode adds to a step of one rank alone, paired per round."""
+        return statistics.median(statistics.median(a) - statistics.median(b)
+                                 for a, b in zip(alone[mode], alone["untraced"])) * 1e6
+
+    untraced_us = medians["untraced"] * 1e3
+    print(f"one rank alone (world size 1, the same model, no rank to wait for): added per step "
+          + ", ".join(f"{mode} {added_us(mode):+.0f} us" for mode in ("untraced 2", "every step", "every 10th"))
+          + f"; against the {args.world}-rank untraced step: every step {1 + added_us('every step') / untraced_us:.4f}, "
+          f"every 10th {1 + added_us('every 10th') / untraced_us:.4f}")
     print(f"export threads' share of the ranks' CPU time: {result['background']:.4f}   (add to both traced "
           "ratios at most; see the docstring)")
     print(f"all spans acked by the collector: {result['flushed']}, dropped: {result['dropped']}")
