@@ -532,7 +532,7 @@ def instrument_ddp(model, hook=None, state=None):
         if buckets.hook is None:
             # The reducer holds the C++ side only: without a Python reference the group's
             # Python methods would be gone, and the reducer would call the backends untraced.
-            buckets.reducer_group = buckets.routed = _BucketGroup(model.process_group, buckets)
+            buckets.reducer_group = _BucketGroup(model.process_group, buckets)
             model.reducer._update_process_group(buckets.reducer_group)
         elif _tracers.get(model) is not buckets:     # a new tracer with the user's hook
             model.register_comm_hook(buckets, _traced_bucket)
@@ -558,7 +558,7 @@ def uninstrument_ddp(model) -> None:
     buckets.sampled = False
     if buckets.reducer_group is not None:
         model.reducer._update_process_group(model.process_group)
-        buckets.reducer_group = buckets.routed = None
+        buckets.reducer_group = None
 
 
 def _comm_hook_of(model) -> str | None:
@@ -606,7 +606,7 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
                 _end([span], exc)
             raise
         if span is not None:
-            _completions.watch(work.get_future(), span)
+            _completions.watch(work.get_future(), span, tensors[0].device)
         return work
 
 
@@ -640,12 +640,10 @@ def _traced_bucket(state, bucket):
 
 class BucketTracer:
     """Records the gradient buckets of one DDP model. After each forward it decides whether
-    the backward pass to come is recorded (its step is sampled). An unsampled one runs
-    DDP's all-reduce untouched, in C++ through the model's own process group, and the
-    collective counter advances by its number of buckets at once; only where that number
-    is not known yet does it go through the recording group, which then counts each
-    bucket. A bucket's ready time is its last gradient's, from the times DDP's reducer
-    notes for every gradient anyway, so no Python runs per gradient."""
+    the backward pass to come is recorded (its step is sampled); in an unsampled step only
+    the collective counter advances per bucket. A bucket's ready time is its last
+    gradient's, from the times DDP's reducer notes for every gradient anyway, so no Python
+    runs per gradient."""
 
     def __init__(self, model, hook=None, state=None):
         self.hook, self.state = hook, state
@@ -661,8 +659,7 @@ class BucketTracer:
         self.reducer = None
         self.tracing = _Tracing   # the provider's tracer and clock, looked up after each forward
         self.backward_start = 0
-        self.reducer_group = None   # the recording group (without a hook of the user's)
-        self.routed = None          # the group the reducer all-reduces through now
+        self.reducer_group = None
         self.forward_handle = None
 
     def forward_done(self, module, inputs, output) -> None:
@@ -687,21 +684,6 @@ class BucketTracer:
             self.layout, self.layout_of = [], rebuilt   # tried again after the next rebuild only
             warn_once("ddp-layout", f"could not read this DDP model's buckets ({exc!r}); they are traced "
                                     "without their parameters")
-        if self.reducer_group is not None:
-            self._route(module)
-
-    def _route(self, module) -> None:
-        """Give the reducer the recording group for a sampled backward pass, the model's own
-        for an unsampled one whose buckets are known (their numbers are taken now). Between
-        a forward and its backward no all-reduce of DDP's is in flight."""
-        untraced = not self.sampled and bool(self.layout)
-        group = module.process_group if untraced else self.reducer_group
-        if group is not self.routed:
-            module.reducer._update_process_group(group)
-            self.routed = group
-        if untraced:
-            for _ in self.layout:
-                next(self.keys.seq)
 
     def issued(self, tensors):
         """DDP's reducer all-reduces `tensors`: the span of its bucket, None when the step is
@@ -745,7 +727,7 @@ class BucketTracer:
         finally:
             _local.busy = False
         if span is not None:
-            _completions.watch(future, span)
+            _completions.watch(future, span, bucket.buffer().device)
         return future
 
     def _ready(self, params, issued: int) -> int:
@@ -792,36 +774,62 @@ class _Completions:
     would run on the backend's thread and take the GIL there, which cost a sampled step
     more than twice as much (one process, 6 buckets: 756-819 us against 308-363 us).
 
+    future.wait() also makes the waiting thread's current CUDA stream wait for the
+    all-reduce, so for a bucket on a GPU the wait runs on a side stream of its device,
+    never on the default stream that DDP's backward kernels run on.
+
     At exit crosstrace waits, briefly, for the buckets still watched: a thread inside a
     future's wait() when the interpreter finalizes would abort the process (a short
     script that exits right after its last backward)."""
 
     def __init__(self):
-        self._pending = queue.SimpleQueue()   # (future, span), in the order issued
+        self._pending = queue.SimpleQueue()   # (future, span, device), in the order issued
         self._outstanding = 0                 # watched and not ended yet
         self._lock = threading.Lock()
         self._thread = None
+        self._streams = {}                    # CUDA device -> the side stream waited on
 
-    def watch(self, future, span) -> None:
-        with self._lock:
-            self._outstanding += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="crosstrace-ddp-buckets", daemon=True)
-                self._thread.start()
-                atexit.register(self.wait_idle)
-        self._pending.put((future, span))
+    def watch(self, future, span, device) -> None:
+        """Never raises into DDP: a span that cannot be watched ends now."""
+        try:
+            with self._lock:
+                if self._thread is None:
+                    thread = threading.Thread(target=self._run, name="crosstrace-ddp-buckets", daemon=True)
+                    thread.start()
+                    self._thread = thread
+                    atexit.register(self.wait_idle)
+                self._outstanding += 1
+            self._pending.put((future, span, device))
+        except Exception as exc:
+            warn_once("ddp-watch", f"could not watch a DDP bucket's all-reduce ({exc!r}); its span ends "
+                                   "when issued")
+            span.end()
 
     def _run(self) -> None:
         while True:
-            future, span = self._pending.get()
+            item = self._pending.get()
             try:
-                future.wait()
-            except BaseException as exc:
-                _end([span], exc)
-            else:
-                span.end()
+                self._finish(*item)
+            except Exception as exc:  # the thread must live on, or later buckets would pile up
+                warn_once("ddp-done", f"could not end a DDP bucket's span ({exc!r})")
             with self._lock:
                 self._outstanding -= 1
+            del item   # not held while waiting for the next
+
+    def _finish(self, future, span, device) -> None:
+        try:
+            if device.type == "cuda":
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    future.wait()
+            else:
+                future.wait()
+        except Exception as exc:   # the all-reduce failed: its span says so
+            _end([span], exc)
+        else:
+            span.end()
 
     def wait_idle(self, timeout_s: float = 1.0) -> None:
         deadline = time.monotonic() + timeout_s
