@@ -57,8 +57,9 @@ class ExportQueue:
     come between them, not a tuple of them: a tuple is tracked by the garbage collector
     until a collection finds it holds plain values, so a tuple per span started a young
     collection every 700 spans, which traversed the queued tuples. Plain values and an
-    attributes dict of plain values are never tracked. The exporter reads the queue by
-    field: one strided slice each, without a pass over tuples.
+    attributes dict of plain values are never tracked (a span's SpanExtras is, and so is a
+    dict that holds a list). The exporter reads the queue by field: one strided slice
+    each, without a pass over tuples.
     """
 
     __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples")
@@ -71,10 +72,12 @@ class ExportQueue:
         self.wake = _noop
         self.reset_after_fork()
 
-    def take(self, max_spans: int) -> list[list]:
-        """Pop up to `max_spans` queued spans, as one list per field (encode_spans' columns)."""
+    def take(self, max_spans: int | None = None) -> list[list]:
+        """Pop the queued spans (up to `max_spans`), as one list per field (encode_spans'
+        columns). Each take moves what stays queued to the front of the list: the exporter
+        takes everything at once."""
         queue = self.queue
-        n = min(len(queue), FIELDS * max_spans)
+        n = len(queue) if max_spans is None else min(len(queue), FIELDS * max_spans)
         entries = queue[:n]
         del queue[:n]
         return [entries[i::FIELDS] for i in range(FIELDS)]
@@ -268,21 +271,23 @@ class Exporter:
         first = True
         while queue or samples or (first and dropped != self._sent_dropped):
             first = False
-            columns = self.queue.take(size)
-            n_spans = len(columns[0])
-            batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id,
-                                 dropped_spans=dropped)
-            if n_spans:
-                encode_spans(batch, columns)
-            into = batch.clock_samples
-            while samples:
-                sample = samples.popleft()
-                if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
-                    add_piggyback_sample(into, *sample)
-                else:
-                    into.append(sample)
-            self._sent_dropped = dropped
-            self._send(batch, n_spans)
+            columns = self.queue.take()
+            n = len(columns[0])
+            for start in range(0, max(n, 1), size):
+                part = columns if n <= size else [column[start:start + size] for column in columns]
+                batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id,
+                                     dropped_spans=dropped)
+                if part[0]:
+                    encode_spans(batch, part)
+                into = batch.clock_samples
+                while samples:
+                    sample = samples.popleft()
+                    if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
+                        add_piggyback_sample(into, *sample)
+                    else:
+                        into.append(sample)
+                self._sent_dropped = dropped
+                self._send(batch, len(part[0]))
 
     def _send(self, batch, n_spans: int) -> None:
         with self._lock:
