@@ -17,10 +17,10 @@ The keys the collector joins on (proto/semconv.py):
 Timing: a synchronous call is timed by the call (with NCCL it returns once the kernel is
 queued: host time only); an async one (async_op=True, isend, irecv, batch_isend_irecv)
 from the call until its wait() returns, is_completed() reports it done, or the future
-from get_future() completes. A DDP bucket from the moment DDP issues its all-reduce until
-its future completes, seen by a thread of crosstrace's that waits on it (with NCCL the
-future may complete once the kernel is queued: host time again); the time its last
-gradient was ready is the attribute ddp.ready_ns (same clock as the span).
+from get_future() completes. A DDP bucket from the moment DDP issues its all-reduce to the
+completion callback, which runs on a backend thread (with NCCL the future may complete once
+the kernel is queued: host time again); the time its last gradient was ready is the
+attribute ddp.ready_ns (same clock as the span).
 
 Spans are recorded inside a sampled step (crosstrace.step) or outside any step; inside an
 unsampled one only the counters advance. A call made inside an instrumented call (torch's
@@ -35,8 +35,6 @@ import atexit
 import functools
 import inspect
 import itertools
-import os
-import queue
 import sys
 import threading
 import time
@@ -606,7 +604,7 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
                 _end([span], exc)
             raise
         if span is not None:
-            _completions.watch(work.get_future(), span, tensors[0].device)
+            work.get_future().add_done_callback(_BucketDone(span))
         return work
 
 
@@ -727,7 +725,7 @@ class BucketTracer:
         finally:
             _local.busy = False
         if span is not None:
-            _completions.watch(future, span, bucket.buffer().device)
+            future.add_done_callback(_BucketDone(span))
         return future
 
     def _ready(self, params, issued: int) -> int:
@@ -767,79 +765,40 @@ class BucketTracer:
         return span
 
 
-class _Completions:
-    """Ends each bucket's span when its all-reduce completes, on a thread of crosstrace's
-    that waits on the buckets' futures in the order they were issued: a bucket that
-    completes before an earlier one is stamped when that one completes. A done callback
-    would run on the backend's thread and take the GIL there, which cost a sampled step
-    more than twice as much (one process, 6 buckets: 756-819 us against 308-363 us).
+class _BucketDone:
+    """A bucket's completion callback, run on a backend thread: ends the span. The backend
+    drops its callbacks after completing the future, and dropping one takes the GIL, which
+    aborts the process if the interpreter is already finalizing (a short script that exits
+    right after its last backward). So the callbacks still held are counted, and at exit
+    crosstrace waits for them, briefly."""
 
-    future.wait() also makes the waiting thread's current CUDA stream wait for the
-    all-reduce, so for a bucket on a GPU the wait runs on a side stream of its device,
-    never on the default stream that DDP's backward kernels run on.
+    __slots__ = ("span",)
+    held = 0
+    _lock = threading.RLock()  # __del__ may run inside it (a collection)
+    _exit_hook = False
 
-    At exit crosstrace waits, briefly, for the buckets still watched: a thread inside a
-    future's wait() when the interpreter finalizes would abort the process (a short
-    script that exits right after its last backward)."""
+    def __init__(self, span):
+        self.span = span
+        with _BucketDone._lock:
+            _BucketDone.held += 1
+        if not _BucketDone._exit_hook:
+            _BucketDone._exit_hook = True
+            atexit.register(_BucketDone.wait_released)
 
-    def __init__(self):
-        self._pending = queue.SimpleQueue()   # (future, span, device), in the order issued
-        self._outstanding = 0                 # watched and not ended yet
-        self._lock = threading.Lock()
-        self._thread = None
-        self._streams = {}                    # CUDA device -> the side stream waited on
-
-    def watch(self, future, span, device) -> None:
-        """Never raises into DDP: a span that cannot be watched ends now."""
+    def __call__(self, future) -> None:
         try:
-            with self._lock:
-                if self._thread is None:
-                    thread = threading.Thread(target=self._run, name="crosstrace-ddp-buckets", daemon=True)
-                    thread.start()
-                    self._thread = thread
-                    atexit.register(self.wait_idle)
-                self._outstanding += 1
-            self._pending.put((future, span, device))
-        except Exception as exc:
-            warn_once("ddp-watch", f"could not watch a DDP bucket's all-reduce ({exc!r}); its span ends "
-                                   "when issued")
-            span.end()
+            future.value()
+        except BaseException as exc:
+            _end([self.span], exc)
+            return
+        self.span.end()
 
-    def _run(self) -> None:
-        while True:
-            item = self._pending.get()
-            try:
-                self._finish(*item)
-            except Exception as exc:  # the thread must live on, or later buckets would pile up
-                warn_once("ddp-done", f"could not end a DDP bucket's span ({exc!r})")
-            with self._lock:
-                self._outstanding -= 1
-            del item   # not held while waiting for the next
+    def __del__(self):
+        with _BucketDone._lock:
+            _BucketDone.held -= 1
 
-    def _finish(self, future, span, device) -> None:
-        try:
-            if device.type == "cuda":
-                stream = self._streams.get(device)
-                if stream is None:
-                    stream = self._streams[device] = torch.cuda.Stream(device)
-                with torch.cuda.stream(stream):
-                    future.wait()
-            else:
-                future.wait()
-        except Exception as exc:   # the all-reduce failed: its span says so
-            _end([span], exc)
-        else:
-            span.end()
-
-    def wait_idle(self, timeout_s: float = 1.0) -> None:
+    @staticmethod
+    def wait_released(timeout_s: float = 1.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self._outstanding > 0 and time.monotonic() < deadline:
+        while _BucketDone.held > 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-
-    def reset_after_fork(self) -> None:
-        """The child has no watcher thread, and its parent's buckets are not its own."""
-        self.__init__()
-
-
-_completions = _Completions()
-os.register_at_fork(after_in_child=_completions.reset_after_fork)
