@@ -230,6 +230,11 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(per_round(mode), n=4)
         return f"(rounds' middle half {q1:.3f}-{q3:.3f})"
 
+    def added_us(mode: str) -> float:
+        """What a mode adds to a step of one rank alone, paired per round."""
+        return statistics.median(statistics.median(a) - statistics.median(b)
+                                 for a, b in zip(alone[mode], alone["untraced"])) * 1e6
+
     params = 3 * (args.hidden ** 2 + args.hidden)
     print(f"DDP, {args.world} gloo ranks on CPU, MLP of {params / 1e6:.1f} M parameters; {args.rounds} rounds, "
           f"each {args.steps} steps per mode, modes in random order")
@@ -240,11 +245,6 @@ def main() -> None:
     print(f"ratio untraced again / untraced: {ratio('untraced 2'):.4f}   (no difference: the noise of this run)")
     print(f"ratio torch's own Python allreduce_hook, untraced / untraced: {ratio('python hook'):.4f}"
           "   (what any Python comm hook costs here, for reference)")
-    def added_us(mode: str) -> float:
-        """What a mode adds to a step of one rank alone, paired per round."""
-        return statistics.median(statistics.median(a) - statistics.median(b)
-                                 for a, b in zip(alone[mode], alone["untraced"])) * 1e6
-
     untraced_us = medians["untraced"] * 1e3
     print(f"one rank alone (world size 1, the same model, no rank to wait for): added per step "
           + ", ".join(f"{mode} {added_us(mode):+.0f} us" for mode in ("untraced 2", "every step", "every 10th"))

@@ -102,7 +102,7 @@ REPLAY = textwrap.dedent("""
     import os, sys, time, grpc, crosstrace
     from crosstrace.proto import pb
     from crosstrace.tracer.clock import Clock
-    from crosstrace.tracer.encode import encode_spans
+    from crosstrace.tracer.encode import batches, encode_spans
     from crosstrace.tracer.exporter import ExportQueue
     from crosstrace.tracer.provider import Tracer
     n, endpoint = int(sys.argv[1]), sys.argv[2]
@@ -112,9 +112,9 @@ REPLAY = textwrap.dedent("""
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass
     session, messages = os.urandom(16), []
-    for seq in range(1, (n + 8191) // 8192 + 1):
+    for seq, part in enumerate(batches(queue.take(), 8192), 1):
         batch = pb.SpanBatch(resource=pb.Resource(node_id=f"replay-{os.getpid()}"), session_id=session, seq=seq)
-        encode_spans(batch, queue.take(8192))
+        encode_spans(batch, part)
         messages.append(batch.SerializeToString())
     channel = grpc.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 64 << 20)])
     export = channel.stream_stream("/crosstrace.v1.Collector/Export", request_serializer=None,

@@ -54,7 +54,7 @@ def queued_bytes_per_span(n: int = 20000) -> tuple[float, float]:
                 pass
         out.append((tracemalloc.get_traced_memory()[0] - before) / n)
         tracemalloc.stop()
-    assert len(queue.take(n)[0]) == n
+    assert len(queue.take()[0]) == n
     sdk.shutdown()
     return out[0], out[1]
 

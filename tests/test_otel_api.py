@@ -63,6 +63,11 @@ def test_context_values_survive_nested_spans(provider):
             assert baggage.get_baggage("user") == "u1" and trace.get_current_span() is inner
             assert inner.parent_id == outer.span_id
         assert baggage.get_baggage("user") == "u1" and trace.get_current_span() is outer
+        # with a context given, through the instrumentation's shared path (context_with)
+        with tracer.start_as_current_span("given", context=context.get_current()) as given:
+            assert baggage.get_baggage("user") == "u1" and trace.get_current_span() is given
+            assert given.parent_id == outer.span_id
+        assert trace.get_current_span() is outer
     context.detach(token)
     with tracer.start_as_current_span("plain"):
         assert baggage.get_baggage("user") is None

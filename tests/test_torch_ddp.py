@@ -98,7 +98,7 @@ train(toggled, 82, steps=2)                                             # not re
 crosstrace.instrument_ddp(toggled)
 train(toggled, 84, steps=2)
 train(crosstrace.instrument_ddp(ddp()), 110, steps=3, backward_thread=True)
-# every other step unsampled: its backward pass all-reduces through DDP's own group, in C++
+# every other step unsampled: its buckets are counted, not recorded
 report["sampled_exact"] = same(train(ddp(), 120, steps=6),
                                train(crosstrace.instrument_ddp(ddp()), 130, steps=6, every=2))
 
@@ -175,8 +175,8 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
     for rank in range(3):   # while untraced, the reducer all-reduced through the model's own group again
         seqs = {k: sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (81, 84)}
         assert seqs[84][0] == seqs[81][-1] + 1
-        # the unsampled steps' buckets (131, 133) went untraced and still took their numbers: as
-        # many as the next step has (130, the first, ran before DDP rebuilt its buckets)
+        # the unsampled steps' buckets (131, 133) were not recorded and still took their numbers:
+        # as many as the next step has (130, the first, ran before DDP rebuilt its buckets)
         seqs = [sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (130, 132, 134)]
         assert all(b[0] == a[-1] + 1 + len(b) for a, b in zip(seqs, seqs[1:])), seqs
     step_start = {(step_of[r["trace"]], r["rank"]): r["start"] for r in rows if r["name"] == "step"}

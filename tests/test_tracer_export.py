@@ -208,10 +208,12 @@ def test_queued_spans_leave_nothing_for_the_garbage_collector():
     """A queued span is its fields as plain values and its attributes dict: none of them
     is tracked by the GC, even before a collection, so queued spans neither start young
     collections nor reach the old generations (queued span objects did, and full
-    collections cost 1-2 us per span). take() gives them back one list per field."""
+    collections cost 1-2 us per span). take() gives them back one list per field, and
+    batches() splits those."""
     import gc
 
     from crosstrace.tracer.clock import Clock
+    from crosstrace.tracer.encode import batches
     from crosstrace.tracer.exporter import ExportQueue
     from crosstrace.tracer.provider import Tracer
 
@@ -223,8 +225,11 @@ def test_queued_spans_leave_nothing_for_the_garbage_collector():
         tracer.start_span("plain").end()
     assert len(queue.queue) == 20 * 10
     assert not any(gc.is_tracked(entry) for entry in queue.queue)
-    columns = queue.take(15)
+    columns = queue.take()
     names, attributes = columns[3], columns[-1]
-    assert names == ["with", "plain"] * 7 + ["with"] and all(len(c) == 15 for c in columns)
+    assert names == ["with", "plain"] * 10 and all(len(c) == 20 for c in columns) and not queue.queue
     assert attributes[0] == {"i": 0, "s": "x", "f": 1.5} and attributes[1] is None
-    assert [len(c) for c in queue.take(15)] == [5] * 10 and not queue.queue
+    parts = list(batches(columns, 15))
+    assert [[len(c) for c in part] for part in parts] == [[15] * 10, [5] * 10]
+    assert parts[1][3] == ["plain", "with", "plain", "with", "plain"]
+    assert [len(part[0]) for part in batches(queue.take(), 15)] == [0]

@@ -66,6 +66,16 @@ def _sparse(extras: list) -> tuple[bytes, bytes]:
     return bytes(status), dumps(rows) if rows else b""
 
 
+def batches(columns: list[list], size: int):
+    """Queued spans' columns in parts of at most `size` spans: one part (maybe empty) at least."""
+    n = len(columns[0])
+    if n <= size:
+        yield columns
+        return
+    for start in range(0, n, size):
+        yield [column[start:start + size] for column in columns]
+
+
 def encode_spans(batch: "pb.SpanBatch", columns: list[list]) -> None:
     """Fill the span columns of `batch` from queued spans, given as one list per field."""
     trace_ids, span_ids, parent_ids, names, kinds, starts, ends, threads, extras, attributes = columns

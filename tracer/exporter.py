@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - another grpc layout: imported on first
 from ..proto import pb
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_sample
-from .encode import FIELDS, encode_spans
+from .encode import FIELDS, batches, encode_spans
 from .span import THREAD_IDS
 from .spool import Spool
 
@@ -50,8 +50,9 @@ _FIRST_ROUND_S = 0.2
 class ExportQueue:
     """What the hot path touches: a list (extend() is atomic under the GIL, no lock),
     the clock, and a drop counter. Spans are only ever added at the end, so the exporter
-    takes a batch off the front with one slice and one slice deletion, where popping a
-    deque entry by entry cost 85 ns per span more.
+    takes all that is queued with one slice and one slice deletion, where popping a deque
+    entry by entry cost 85 ns per span more (and taking less than all would move the rest
+    of the list each time).
 
     A queued span is its FIELDS values, put in by one extend() so that no other thread's
     come between them, not a tuple of them: a tuple is tracked by the garbage collector
@@ -72,12 +73,10 @@ class ExportQueue:
         self.wake = _noop
         self.reset_after_fork()
 
-    def take(self, max_spans: int | None = None) -> list[list]:
-        """Pop the queued spans (up to `max_spans`), as one list per field (encode_spans'
-        columns). Each take moves what stays queued to the front of the list: the exporter
-        takes everything at once."""
+    def take(self) -> list[list]:
+        """Pop every queued span, as one list per field (encode_spans' columns)."""
         queue = self.queue
-        n = len(queue) if max_spans is None else min(len(queue), FIELDS * max_spans)
+        n = len(queue)
         entries = queue[:n]
         del queue[:n]
         return [entries[i::FIELDS] for i in range(FIELDS)]
@@ -271,10 +270,7 @@ class Exporter:
         first = True
         while queue or samples or (first and dropped != self._sent_dropped):
             first = False
-            columns = self.queue.take()
-            n = len(columns[0])
-            for start in range(0, max(n, 1), size):
-                part = columns if n <= size else [column[start:start + size] for column in columns]
+            for part in batches(self.queue.take(), size):
                 batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id,
                                      dropped_spans=dropped)
                 if part[0]:

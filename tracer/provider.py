@@ -140,8 +140,10 @@ current_context, detach = _get_context, _detach   # for instrumentation: one Con
 
 def context_with(span, parent: Context) -> Context:
     """The context `parent` with `span` as its current span: one Context, without the
-    OpenTelemetry API's copy through set_value()."""
-    ctx = Context(parent)
+    OpenTelemetry API's copy through set_value(). A parent that holds a span only (most
+    do) is not copied at all: `span` replaces it, and a copy costs 60-130 ns more than a
+    new Context."""
+    ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
     dict.__setitem__(ctx, _SPAN_KEY, span)
     return ctx
 
@@ -163,9 +165,8 @@ class ScopedSpan(Span):
     __slots__ = ("_token",)
 
     def __enter__(self) -> "ScopedSpan":
+        # context_with(self, parent), inlined: the call costs ~330 instructions per span
         parent = _get_context()
-        # A context that holds a span only (most do) is not copied: this span replaces it,
-        # and a copy costs 60-130 ns more than a new Context.
         ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
         dict.__setitem__(ctx, _SPAN_KEY, self)
         self._token = _attach(ctx)
