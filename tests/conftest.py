@@ -1,5 +1,6 @@
 """Shared fixtures: real collectors and real tracer processes on loopback."""
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,8 @@ def run_python(code: str, env: dict | None = None, timeout: float = 60, check: b
 def launch_ranks(code: str, world: int, env_of_rank, args_of_rank=lambda rank: (),
                  timeout_s: float = 120) -> list[tuple[str, str]]:
     """Run `code` as `world` processes at once (the ranks of one job), each with
-    env_of_rank(rank) and the arguments args_of_rank(rank); kill what is left at the timeout.
+    env_of_rank(rank) and the arguments args_of_rank(rank); abort what is left at the timeout
+    (each thread's Python stack goes to its stderr).
     Returns each rank's (stdout, stderr); fails if a rank did not exit 0. Output goes to
     files: a rank blocked on a full pipe would stall the collectives of all the others."""
     procs = []
@@ -44,15 +46,21 @@ def launch_ranks(code: str, world: int, env_of_rank, args_of_rank=lambda rank: (
         for rank in range(world):
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             procs.append((subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *map(str, args_of_rank(rank))],
-                                           env=env_of_rank(rank), stdout=out, stderr=err, text=True), out, err))
+                                           env={**env_of_rank(rank), "PYTHONFAULTHANDLER": "1"},
+                                           stdout=out, stderr=err, text=True), out, err))
         deadline = time.monotonic() + timeout_s
         for proc, _, _ in procs:
             proc.wait(max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
+        hung = [proc for proc, _, _ in procs if proc.poll() is None]
+        for proc in hung:   # SIGABRT: faulthandler writes every thread's stack to stderr
+            proc.send_signal(signal.SIGABRT)
+        for proc in hung:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
     outputs, failures = [], []
@@ -62,7 +70,7 @@ def launch_ranks(code: str, world: int, env_of_rank, args_of_rank=lambda rank: (
             err.seek(0)
             outputs.append((out.read(), err.read()))
         if proc.returncode != 0:
-            failures.append(f"rank {rank} exited {proc.returncode}:\n{outputs[-1][0]}\n{outputs[-1][1][-4000:]}")
+            failures.append(f"rank {rank} exited {proc.returncode}:\n{outputs[-1][0]}\n{outputs[-1][1][-12000:]}")
     if failures:
         raise AssertionError("\n".join(failures))
     return outputs
