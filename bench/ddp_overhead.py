@@ -15,8 +15,9 @@ untraced, every 10th step <= 1.005 x.
 
 Four ranks on two cores wait for each other through the scheduler, and the untraced-again
 ratio spreads over several percent between runs. So the same worker then runs alone
-(world size 1): what each mode adds to its step, paired per round, is tracing's own cost
-on a rank's path, and is printed against the 4-rank untraced step too.
+(world size 1, three times as many rounds: a round takes a quarter of the time): what each
+mode adds to its step, paired per round, is tracing's own cost on a rank's path, and is
+printed against the 4-rank untraced step too.
 
 The export runs on background threads (crosstrace's and gRPC's) whenever its interval comes
 round, so its cost falls on the blocks of every mode alike and the pairing cannot see it.
@@ -177,8 +178,8 @@ def step_cost_us(endpoint: str, n: int = 20000) -> dict:
     return out
 
 
-def run_job(world: int, endpoint: str) -> dict:
-    """Run the worker on `world` ranks; rank 0's result."""
+def run_job(world: int, endpoint: str, rounds: int) -> dict:
+    """Run the worker on `world` ranks for `rounds` rounds; rank 0's result."""
     from crosstrace.launch import free_port
 
     port, procs = free_port(), []
@@ -187,8 +188,9 @@ def run_job(world: int, endpoint: str) -> dict:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "CROSSTRACE_ENDPOINT": endpoint, "CROSSTRACE_NODE_ID": f"bench-rank{rank}",
                "CROSSTRACE_JOB_ID": f"ddp-bench-{world}"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env,
-                                      stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True))
+        command = [sys.executable, __file__, "--worker", *sys.argv[1:], "--rounds", str(rounds)]
+        procs.append(subprocess.Popen(command, env=env, text=True,
+                                      stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))
     out, _ = procs[0].communicate(timeout=1800)
     for proc in procs[1:]:
         proc.wait(120)
@@ -211,8 +213,8 @@ def main() -> None:
     from crosstrace.launch import CollectorProcess
 
     with tempfile.TemporaryDirectory() as tmp, CollectorProcess(f"{tmp}/bench.db") as collector:
-        result = run_job(args.world, collector.address)
-        alone = run_job(1, collector.address)["times"]
+        result = run_job(args.world, collector.address, args.rounds)
+        alone = run_job(1, collector.address, 3 * args.rounds)["times"]
         cost = step_cost_us(collector.address)
     times = result["times"]
     medians = {mode: statistics.median(t for block in blocks for t in block) * 1e3 for mode, blocks in times.items()}

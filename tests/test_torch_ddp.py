@@ -8,7 +8,8 @@ collective joined across ranks with its index, bytes, parameter count and ready 
 uninstrument_ddp stops the recording and instrument_ddp resumes it; buckets issued on a
 thread without a context of its own land in their step's trace; a rank sleeping 50 ms
 before backward makes the others enter the bucket all-reduce ~50 ms before it; models that
-cannot be traced warn once and train untraced.
+cannot be traced warn once and train untraced. A second job checks that the collectives'
+numbers agree across ranks under DDP's join() with uneven inputs and unsampled steps.
 """
 import collections
 import statistics
@@ -212,3 +213,84 @@ def test_straggler_makes_the_others_wait_in_the_first_bucket(ddp_job):
           f"and spend {wait_ms:.1f} ms in it; the straggler {statistics.median(straggler_waits) / 1e6:.1f} ms")
     assert 40 <= lead_ms <= 80
     assert 40 <= wait_ms and statistics.median(straggler_waits) / 1e6 < 25
+
+
+JOIN_WORKER = """
+import json
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crosstrace
+
+provider = crosstrace.init()
+dist.init_process_group("gloo")
+crosstrace.instrument_collectives()
+rank = dist.get_rank()
+torch.manual_seed(0)
+mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+model = crosstrace.instrument_ddp(DDP(mlp, bucket_cap_mb=0.01))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.Generator().manual_seed(rank)
+backend_seq = {}   # step -> gloo's own count of the group's operations before the explicit all-reduce
+
+def step(k, backward=True, explicit=True):
+    x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
+    with crosstrace.step(k, every=2):          # even steps sampled
+        loss = nn.functional.mse_loss(model(x), y)
+        if backward:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if explicit:
+            backend_seq[k] = dist.group.WORLD._get_sequence_number_for_group()
+            dist.all_reduce(loss.detach())     # a collective of the user's after the buckets
+
+with Join([model]):        # uneven inputs: rank 0 runs out of data after 2 steps, the others after 5
+    for k in range(10, 12 if rank == 0 else 15):
+        step(k, explicit=False)                # Join matches DDP's collectives only
+step(16)
+step(17)
+step(18)
+step(19, backward=False)   # a forward with gradients and no backward pass: no all-reduce follows
+step(20)
+crosstrace.uninstrument_ddp(model)
+dist.destroy_process_group()
+print(json.dumps({"flushed": provider.force_flush(30000), "backend_seq": backend_seq}))
+"""
+
+
+def test_bucket_numbers_agree_after_uneven_inputs_and_unsampled_steps(tmp_path):
+    """DDP's join: rank 0 runs out of data two steps before ranks 1 and 2 and matches their
+    bucket all-reduces with zeros; the unsampled steps' buckets run untraced. Every rank
+    still numbers each collective alike: in the steps after the join, and in the join's own
+    all-reduces, which the joined rank records outside any step."""
+    from crosstrace.launch import CollectorProcess
+
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        reports = run_ranks(JOIN_WORKER, 3, collector, job_id="ddp-join")
+        rows = spans(collector)
+    assert all(report["flushed"] for report in reports)
+    step_of = step_traces(rows, "ddp-join")
+    colls = collections.defaultdict(list)
+    for r in rows:
+        if r["kind"] == Kind.COLLECTIVE:
+            colls[step_of.get(r["trace"]), r["rank"]].append((r["a"][sc.COLL_SEQ], r["name"]))
+    assert {k for k, _ in colls} == {None, 10, 12, 14, 16, 18, 20}   # None: rank 0's, while joined
+    for k in (16, 18, 20):
+        mine = sorted(colls[k, 0])
+        assert {name for _, name in mine} == {"ddp.all_reduce", "all_reduce"}, mine
+        assert sorted(colls[k, 1]) == sorted(colls[k, 2]) == mine, k
+    # The numbers follow the group's real order: gloo counts the same operations from here
+    # on, so the two differ by a constant (an unsampled pass is counted if its backward ran).
+    offsets = {seq - report["backend_seq"][str(k)] for rank, report in enumerate(reports)
+               for k in (16, 18, 20) for seq, name in colls[k, rank] if name == "all_reduce"}
+    assert len(offsets) == 1, offsets
+    # While joined, rank 0 records the join's two all-reduces of each step of the others
+    # (theirs are async and never waited on: not recorded), then counts that step's buckets.
+    joined = sorted(seq for seq, _ in colls[None, 0])
+    for k in (12, 14):
+        mine = sorted(colls[k, 1])
+        assert sorted(colls[k, 2]) == mine and not colls[k, 0] and {name for _, name in mine} == {"ddp.all_reduce"}
+        first = mine[0][0]
+        assert {first - 2, first - 1} <= set(joined) and not {seq for seq, _ in mine} & set(joined), (mine, joined)
+    assert len(joined) == 8 and joined[-2:] == sorted(seq for seq, _ in colls[None, 1])  # the join's last two

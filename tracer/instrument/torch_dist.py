@@ -7,8 +7,9 @@
 The keys the collector joins on (proto/semconv.py):
 - Collectives: (collective.group, collective.seq). The group is torch's group name, the
   same on every rank; seq counts the collectives crosstrace saw on that group in this
-  process (explicit ones and DDP buckets alike), so one collective has one number on
-  every rank. Also op (the family: all_gather_into_tensor is "all_gather"), bytes (this
+  process (explicit ones and DDP buckets alike, those of unsampled steps and of a rank
+  that joined early under DDP's join() too), so one collective has one number on every
+  rank. Also op (the family: all_gather_into_tensor is "all_gather"), bytes (this
   rank's input), ranks (the group's global ranks), async, and root for broadcast/reduce.
 - Point-to-point: (p2p.src, p2p.dst, p2p.tag, p2p.seq) in global ranks; seq counts the
   messages from src to dst with that tag in the order each side posts them, which is the
@@ -28,7 +29,8 @@ send() calls isend()) counts once, as the outer call.
 
 Limits: references taken before instrument_collectives() (`from torch.distributed import
 all_reduce`) bypass it; ops inside torch's private _coalescing_manager are counted but
-not timed; a receive from any source gets its src and seq when it completes (best
+not timed; an async op whose Work is never waited on in Python (DDP's join() hands its
+own to the reducer) is counted but has no span; a receive from any source gets its src and seq when it completes (best
 effort); torch.compile'd regions see the wrappers as plain Python functions.
 """
 import atexit
@@ -125,12 +127,20 @@ _local = _Local()
 # -- keys ---------------------------------------------------------------------------------
 
 class _Group:
-    __slots__ = ("name", "ranks", "seq")
+    __slots__ = ("name", "ranks", "seq", "unsettled")
 
-    def __init__(self, name: str, ranks: list[int], seq=None):
+    def __init__(self, name: str, ranks: list[int], previous: "_Group | None" = None):
         self.name = name
         self.ranks = ranks
-        self.seq = seq or itertools.count()
+        self.seq = previous.seq if previous else itertools.count()
+        self.unsettled = previous.unsettled if previous else set()  # BucketTracers with a pass to count
+
+    def take(self) -> int:
+        """The next collective's number, after the buckets of DDP passes run untraced."""
+        if self.unsettled:
+            for buckets in tuple(self.unsettled):
+                buckets.settle()
+        return next(self.seq)
 
 
 _groups: dict[str, _Group] = {}
@@ -148,7 +158,7 @@ def _group(pg) -> _Group | None:
     name = pg.group_name
     group = _groups.get(name)
     if group is None or len(group.ranks) != pg.size():  # new, or re-created under the same name
-        group = _groups[name] = _Group(name, c10d.get_process_group_ranks(pg), group and group.seq)
+        group = _groups[name] = _Group(name, c10d.get_process_group_ranks(pg), group)
     return group
 
 
@@ -230,7 +240,7 @@ def _traced_collective(name: str, original):
             pg = params.get("group", args, kwargs)
             group = _group(pg)
             if group is not None:
-                seq = next(group.seq)
+                seq = group.take()
                 asynchronous = bool(params.get("async_op", args, kwargs))
                 parent = _parent()
                 if parent is not False:
@@ -530,8 +540,11 @@ def instrument_ddp(model, hook=None, state=None):
         if buckets.hook is None:
             # The reducer holds the C++ side only: without a Python reference the group's
             # Python methods would be gone, and the reducer would call the backends untraced.
-            buckets.reducer_group = _BucketGroup(model.process_group, buckets)
+            buckets.reducer_group = buckets.routed = _BucketGroup(model.process_group, buckets)
             model.reducer._update_process_group(buckets.reducer_group)
+            # DDP's join hook all-reduces zeros on a rank out of data, through the reducer:
+            # counted on that rank as the others' backward pass is.
+            model._match_all_reduce_for_bwd_pass = functools.partial(buckets.shadow_pass, model)
         elif _tracers.get(model) is not buckets:     # a new tracer with the user's hook
             model.register_comm_hook(buckets, _traced_bucket)
         buckets.forward_handle = model.register_forward_hook(buckets.forward_done)
@@ -553,10 +566,12 @@ def uninstrument_ddp(model) -> None:
     _instrumented.discard(model)
     buckets = _tracers[model]
     buckets.forward_handle.remove()
+    buckets.settle(last=True)
     buckets.sampled = False
     if buckets.reducer_group is not None:
         model.reducer._update_process_group(model.process_group)
-        buckets.reducer_group = None
+        model.__dict__.pop("_match_all_reduce_for_bwd_pass", None)
+        buckets.reducer_group = buckets.routed = None
 
 
 def _comm_hook_of(model) -> str | None:
@@ -638,10 +653,16 @@ def _traced_bucket(state, bucket):
 
 class BucketTracer:
     """Records the gradient buckets of one DDP model. After each forward it decides whether
-    the backward pass to come is recorded (its step is sampled); in an unsampled step only
-    the collective counter advances per bucket. A bucket's ready time is its last
-    gradient's, from the times DDP's reducer notes for every gradient anyway, so no Python
-    runs per gradient."""
+    the backward pass to come is recorded (its step is sampled). Every bucket takes a number
+    of the group's collective counter, recorded or not, so that the numbers follow the
+    group's real order and ranks whose sampling differs still agree on them.
+
+    An unsampled pass runs DDP's all-reduce untouched, in C++ through the model's own
+    process group. Its buckets are counted all at once when the group's counter is next
+    used after its backward ran (the reducer's per-gradient times then changed). Where the
+    buckets are not known yet, an unsampled pass goes through the recording group, which
+    counts each. A bucket's ready time is its last gradient's, from the times DDP's reducer
+    notes for every gradient anyway, so no Python runs per gradient."""
 
     def __init__(self, model, hook=None, state=None):
         self.hook, self.state = hook, state
@@ -657,7 +678,10 @@ class BucketTracer:
         self.reducer = None
         self.tracing = _Tracing   # the provider's tracer and clock, looked up after each forward
         self.backward_start = 0
-        self.reducer_group = None
+        self.reducer_group = None   # the recording group (without a hook of the user's)
+        self.routed = None          # the group the reducer all-reduces through now
+        self.unsettled = 0          # buckets of an unsampled pass, not counted yet
+        self.times_before = None    # the reducer's per-gradient times when that pass's forward ended
         self.forward_handle = None
 
     def forward_done(self, module, inputs, output) -> None:
@@ -682,6 +706,49 @@ class BucketTracer:
             self.layout, self.layout_of = [], rebuilt   # tried again after the next rebuild only
             warn_once("ddp-layout", f"could not read this DDP model's buckets ({exc!r}); they are traced "
                                     "without their parameters")
+        if self.reducer_group is not None:
+            self._route(module)
+
+    def _route(self, module) -> None:
+        """Give the reducer the recording group for a sampled backward pass, the model's own
+        for an unsampled one whose buckets are known. Between a forward and its backward no
+        all-reduce of DDP's is in flight."""
+        self.settle(last=True)
+        untraced = not self.sampled and bool(self.layout)
+        if untraced:
+            try:
+                self.times_before = module.reducer.get_backward_stats()
+            except (AttributeError, RuntimeError):
+                untraced = False   # whether the pass ran could not be told: counted per bucket
+        group = module.process_group if untraced else self.reducer_group
+        if group is not self.routed:
+            module.reducer._update_process_group(group)
+            self.routed = group
+        if untraced:
+            self.unsettled = len(self.layout)
+            self.keys.unsettled.add(self)
+
+    def settle(self, last: bool = False) -> None:
+        """Count the buckets of the last unsampled pass if its backward has run. With
+        `last`, no backward can follow any more: a pass that did not run is forgotten."""
+        if not self.unsettled:
+            return
+        ran = self.reducer.get_backward_stats() != self.times_before
+        if ran or last:
+            unsettled, self.unsettled = self.unsettled, 0
+            self.keys.unsettled.discard(self)
+            for _ in range(unsettled if ran else 0):
+                next(self.keys.seq)
+
+    def shadow_pass(self, model):
+        """DDP's join hook on a rank out of data, matching the others' backward pass with
+        all-reduces of zeros: through the recording group, which counts them."""
+        self.settle(last=True)
+        self.sampled, self.next = False, 0
+        if self.routed is not self.reducer_group:
+            model.reducer._update_process_group(self.reducer_group)
+            self.routed = self.reducer_group
+        return type(model)._match_all_reduce_for_bwd_pass(model)
 
     def issued(self, tensors):
         """DDP's reducer all-reduces `tensors`: the span of its bucket, None when the step is
@@ -696,7 +763,7 @@ class BucketTracer:
                 return None
             k = self.next
             self.next = k + 1
-            seq = next(self.keys.seq)
+            seq = self.keys.take()
             if not self.sampled:
                 return None
             layout = self.layout[k] if k < len(self.layout) else None
@@ -710,7 +777,7 @@ class BucketTracer:
         """The comm hook's work: record the bucket, run the user's hook on it."""
         span = None
         try:
-            seq = next(self.keys.seq)
+            seq = self.keys.take()
             if self.sampled:
                 index = self.param_index
                 span = self._record(bucket.index(), seq, bucket.buffer(), [index.get(id(p)) for p in bucket.parameters()])
