@@ -645,6 +645,15 @@ def _bucket_layout(model, param_index: dict) -> tuple[list, bool]:
     return [], not rebuilt   # rebuilt: the logging data has the layout from the next forward on
 
 
+def _buckets_final(model) -> bool:
+    """Whether DDP's buckets stay as they are: rebuilt (once, in the second forward), or
+    never to be (find_unused_parameters without static_graph). A rank that joins under
+    join() before its second forward rebuilds them in the join hook, unflagged: they are
+    never final there, and each bucket is counted as it goes."""
+    return bool(getattr(model, "_has_rebuilt_buckets", False)) or (
+        bool(getattr(model, "find_unused_parameters", False)) and not getattr(model, "static_graph", False))
+
+
 def _traced_bucket(state, bucket):
     """The comm hook DDP calls with each bucket when the user's hook is wrapped (DDP wants
     the parameter named `bucket`)."""
@@ -659,8 +668,8 @@ class BucketTracer:
 
     An unsampled pass runs DDP's all-reduce untouched, in C++ through the model's own
     process group. Its buckets are counted all at once when the group's counter is next
-    used after its backward ran (the reducer's per-gradient times then changed). Where the
-    buckets are not known yet, an unsampled pass goes through the recording group, which
+    used after its backward ran (the reducer's per-gradient times then changed). Until
+    DDP's buckets are final, an unsampled pass goes through the recording group, which
     counts each. A bucket's ready time is its last gradient's, from the times DDP's reducer
     notes for every gradient anyway, so no Python runs per gradient."""
 
@@ -711,22 +720,26 @@ class BucketTracer:
 
     def _route(self, module) -> None:
         """Give the reducer the recording group for a sampled backward pass, the model's own
-        for an unsampled one whose buckets are known. Between a forward and its backward no
-        all-reduce of DDP's is in flight."""
-        self.settle(last=True)
-        untraced = not self.sampled and bool(self.layout)
-        if untraced:
-            try:
+        for an unsampled one whose buckets are final. Between a forward and its backward no
+        all-reduce of DDP's is in flight. Never raises."""
+        try:
+            self.settle(last=True)
+            own = module.process_group
+            if self.reducer_group._group is not own:   # DDP's _update_process_group moved the model
+                self.reducer_group, self.keys = _BucketGroup(own, self), _group(own)
+            untraced = not self.sampled and bool(self.layout) and _buckets_final(module)
+            if untraced:
                 self.times_before = module.reducer.get_backward_stats()
-            except (AttributeError, RuntimeError):
-                untraced = False   # whether the pass ran could not be told: counted per bucket
-        group = module.process_group if untraced else self.reducer_group
-        if group is not self.routed:
-            module.reducer._update_process_group(group)
-            self.routed = group
-        if untraced:
-            self.unsettled = len(self.layout)
-            self.keys.unsettled.add(self)
+            group = own if untraced else self.reducer_group
+            if group is not self.routed:
+                module.reducer._update_process_group(group)
+                self.routed = group
+            if untraced:
+                self.unsettled = len(self.layout)
+                self.keys.unsettled.add(self)
+        except Exception as exc:  # never let tracing break gradient sync
+            warn_once("ddp-route", f"could not route this DDP model's unsampled steps ({exc!r}); "
+                                   "they go through crosstrace's process group")
 
     def settle(self, last: bool = False) -> None:
         """Count the buckets of the last unsampled pass if its backward has run. With
@@ -743,11 +756,14 @@ class BucketTracer:
     def shadow_pass(self, model):
         """DDP's join hook on a rank out of data, matching the others' backward pass with
         all-reduces of zeros: through the recording group, which counts them."""
-        self.settle(last=True)
-        self.sampled, self.next = False, 0
-        if self.routed is not self.reducer_group:
-            model.reducer._update_process_group(self.reducer_group)
-            self.routed = self.reducer_group
+        try:
+            self.settle(last=True)
+            self.sampled, self.next = False, 0
+            if self.routed is not self.reducer_group:
+                model.reducer._update_process_group(self.reducer_group)
+                self.routed = self.reducer_group
+        except Exception as exc:  # never let tracing break the join
+            warn_once("ddp-route", f"could not count the all-reduces of DDP's join ({exc!r})")
         return type(model)._match_all_reduce_for_bwd_pass(model)
 
     def issued(self, tensors):
