@@ -30,8 +30,9 @@ send() calls isend()) counts once, as the outer call.
 Limits: references taken before instrument_collectives() (`from torch.distributed import
 all_reduce`) bypass it; ops inside torch's private _coalescing_manager are counted but
 not timed; an async op whose Work is never waited on in Python (DDP's join() hands its
-own to the reducer) is counted but has no span; a receive from any source gets its src and seq when it completes (best
-effort); torch.compile'd regions see the wrappers as plain Python functions.
+own to the reducer) is counted but has no span; a receive from any source gets its src
+and seq when it completes (best effort); torch.compile'd regions see the wrappers as
+plain Python functions.
 """
 import atexit
 import functools
@@ -729,7 +730,10 @@ class BucketTracer:
                 self.reducer_group, self.keys = _BucketGroup(own, self), _group(own)
             untraced = not self.sampled and bool(self.layout) and _buckets_final(module)
             if untraced:
-                self.times_before = module.reducer.get_backward_stats()
+                try:
+                    self.times_before = module.reducer.get_backward_stats()
+                except (AttributeError, RuntimeError):
+                    untraced = False   # whether the pass ran could not be told: counted per bucket
             group = own if untraced else self.reducer_group
             if group is not self.routed:
                 module.reducer._update_process_group(group)
