@@ -308,3 +308,40 @@ def test_bucket_numbers_agree_after_uneven_inputs_and_unsampled_steps(tmp_path):
         first = mine[0][0]
         assert {first - 2, first - 1} <= set(joined) and not {seq for seq, _ in mine} & set(joined), (mine, joined)
     assert len(joined) == 8 and joined[-2:] == sorted(seq for seq, _ in colls[None, 1])[:2]  # the join's last two
+
+
+REBUILD_WORKER = """
+import json, threading
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crosstrace
+
+provider = crosstrace.init()
+dist.init_process_group("gloo")
+for n in range(150):       # each fresh model rebuilds its buckets in its second forward
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = crosstrace.instrument_ddp(DDP(mlp, bucket_cap_mb=0.01))
+    for k in range(2):
+        with crosstrace.step(1000 * n + k):
+            loss = model(torch.randn(16, 32)).sum()
+            worker = threading.Thread(target=loss.backward)   # autograd on a thread of its own
+            worker.start()
+            worker.join()
+dist.destroy_process_group()
+print(json.dumps({"models": n + 1, "flushed": provider.force_flush(30000)}))
+"""
+
+
+def test_bucket_rebuild_never_deadlocks(tmp_path):
+    """DDP rebuilds its buckets in a model's second forward and broadcasts their order
+    through the reducer's process group, crosstrace's here. Inherited from ProcessGroup,
+    that broadcast reached gloo with the GIL held, while a gloo worker freeing a finished
+    all-reduce (whose thread-local state holds a Python object) waited for the GIL under
+    the queue lock the broadcast needs. Without the fix this test hung in its one run, and
+    a similar script in 5 of 6."""
+    from crosstrace.launch import CollectorProcess
+
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        reports = run_ranks(REBUILD_WORKER, 3, collector, timeout_s=90, job_id="ddp-rebuild")
+    assert all(report["models"] == 150 and report["flushed"] for report in reports)

@@ -611,6 +611,14 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
     def getBackendName(self) -> str:
         return self._group.name()
 
+    def broadcast(self, tensors, opts):
+        """DDP's bucket rebuild broadcasts the new bucket order. Inherited, the call would go
+        to the backend with the GIL held by torch's trampoline, and a gloo worker that frees
+        a finished work holding Python state needs the GIL while it holds the queue lock
+        that the call waits for: a deadlock (the DDP test hung so, 3 times in about 140
+        runs). The group's own binding releases the GIL."""
+        return self._group.broadcast(tensors, opts)
+
     def allreduce(self, tensors, opts):
         span = self._buckets.issued(tensors)
         try:
