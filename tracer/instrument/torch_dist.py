@@ -541,8 +541,8 @@ def instrument_ddp(model, hook=None, state=None):
         if buckets.hook is None:
             # The reducer holds the C++ side only: without a Python reference the group's
             # Python methods would be gone, and the reducer would call the backends untraced.
-            buckets.reducer_group = buckets.routed = _BucketGroup(model.process_group, buckets)
-            model.reducer._update_process_group(buckets.reducer_group)
+            buckets.reducer_group = _BucketGroup(model.process_group, buckets)
+            buckets.use(model, buckets.reducer_group)
             # DDP's join hook all-reduces zeros on a rank out of data, through the reducer:
             # counted on that rank as the others' backward pass is.
             model._match_all_reduce_for_bwd_pass = functools.partial(buckets.shadow_pass, model)
@@ -570,9 +570,9 @@ def uninstrument_ddp(model) -> None:
     buckets.settle(last=True)
     buckets.sampled = False
     if buckets.reducer_group is not None:
-        model.reducer._update_process_group(model.process_group)
+        buckets.use(model, model.process_group)
         model.__dict__.pop("_match_all_reduce_for_bwd_pass", None)
-        buckets.reducer_group = buckets.routed = None
+        buckets.reducer_group = None
 
 
 def _comm_hook_of(model) -> str | None:
@@ -742,16 +742,19 @@ class BucketTracer:
                     self.times_before = module.reducer.get_backward_stats()
                 except (AttributeError, RuntimeError):
                     untraced = False   # whether the pass ran could not be told: counted per bucket
-            group = own if untraced else self.reducer_group
-            if group is not self.routed:
-                module.reducer._update_process_group(group)
-                self.routed = group
+            self.use(module, own if untraced else self.reducer_group)
             if untraced:
                 self.unsettled = len(self.layout)
                 self.keys.unsettled.add(self)
         except Exception as exc:  # never let tracing break gradient sync
             warn_once("ddp-route", f"could not route this DDP model's unsampled steps ({exc!r}); "
                                    "they go through crosstrace's process group")
+
+    def use(self, module, group) -> None:
+        """Have DDP's reducer all-reduce through `group` (one call, when that changes)."""
+        if group is not self.routed:
+            module.reducer._update_process_group(group)
+            self.routed = group
 
     def settle(self, last: bool = False) -> None:
         """Count the buckets of the last unsampled pass if its backward has run. With
@@ -771,9 +774,7 @@ class BucketTracer:
         try:
             self.settle(last=True)
             self.sampled, self.next = False, 0
-            if self.routed is not self.reducer_group:
-                model.reducer._update_process_group(self.reducer_group)
-                self.routed = self.reducer_group
+            self.use(model, self.reducer_group)
         except Exception as exc:  # never let tracing break the join
             warn_once("ddp-route", f"could not count the all-reduces of DDP's join ({exc!r})")
         return type(model)._match_all_reduce_for_bwd_pass(model)
