@@ -38,7 +38,7 @@ def run_ranks(code: str, world: int, collector, timeout_s: float = 120, **option
 
 
 def spans(collector) -> list[dict]:
-    """Every stored span as a dict: name, kind, rank, trace, ids, local start/end, status, a(ttributes)."""
+    """Every stored span as a dict: name, kind, rank, trace, ids, local start/end, thread, status, a(ttributes)."""
     store = Store(collector.store, readonly=True)
     try:
         t = spantable.load(store)
@@ -47,7 +47,7 @@ def spans(collector) -> list[dict]:
     rank = t.rank
     return [{"name": t.names[t.name[i]], "kind": int(t.kind[i]), "rank": int(rank[i]),
              "trace": t.trace_ids[t.trace[i]], "span_id": int(t.span_id[i]), "parent": int(t.parent_id[i]),
-             "start": int(t.start[i]), "end": int(t.end[i]), "status": int(t.status[i]),
+             "start": int(t.start[i]), "end": int(t.end[i]), "thread": int(t.thread[i]), "status": int(t.status[i]),
              "a": t.attributes[i] or {}} for i in range(len(t))]
 
 

@@ -180,6 +180,9 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
         # as many as the next step has (130, the first, ran before DDP rebuilt its buckets)
         seqs = [sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (130, 132, 134)]
         assert all(b[0] == a[-1] + 1 + len(b) for a, b in zip(seqs, seqs[1:])), seqs
+    step_thread = {(step_of[r["trace"]], r["rank"]): r["thread"] for r in rows if r["name"] == "step"}
+    for (k, rank), mine in by_step.items():   # on the thread that issued them (recorded elsewhere, later)
+        assert all((r["thread"] == step_thread[k, rank]) == (not 110 <= k < 113) for r in mine), k
     step_start = {(step_of[r["trace"]], r["rank"]): r["start"] for r in rows if r["name"] == "step"}
     for (k, rank), mine in by_step.items():   # ready after the step began (and before the issue, above)
         assert all(r["a"][sc.DDP_READY_NS] >= step_start[k, rank] for r in mine)

@@ -21,7 +21,9 @@ from the call until its wait() returns, is_completed() reports it done, or the f
 from get_future() completes. A DDP bucket from the moment DDP issues its all-reduce to the
 completion callback, which runs on a backend thread (with NCCL the future may complete once
 the kernel is queued: host time again); the time its last gradient was ready is the
-attribute ddp.ready_ns (same clock as the span).
+attribute ddp.ready_ns (same clock as the span). A sampled pass's buckets become spans
+together, once its last one completes (or before the next forward), off the all-reduce's
+path; each keeps the issuing thread and context.
 
 Spans are recorded inside a sampled step (crosstrace.step) or outside any step; inside an
 unsampled one only the counters advance. A call made inside an instrumented call (torch's
@@ -50,8 +52,8 @@ from opentelemetry import trace as trace_api
 from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
-from ..provider import TracerProvider
-from ..span import Span
+from ..provider import TracerProvider, current_context
+from ..span import THREAD_IDS, Span
 from ..step import active_step
 
 AVAILABLE = dist.is_available()
@@ -97,15 +99,16 @@ def _tracing() -> type[_Tracing]:
     return _Tracing
 
 
-def _parent():
-    """The parent context of a new span: None for the current context, the open step's on
-    threads without a context of their own, False inside an unsampled step (record nothing)."""
-    ctx = trace_api.get_current_span().get_span_context()
+def _parent(context=None, step=None):
+    """The parent context of a new span: None for `context` (default: the current one),
+    the open step's (or `step`) on threads without a context of their own, False inside an
+    unsampled step (record nothing)."""
+    ctx = trace_api.get_current_span(context).get_span_context()
     if ctx.is_valid:
-        return None if ctx.trace_flags.sampled else False
-    step = active_step()
+        return context if ctx.trace_flags.sampled else False
+    step = step or active_step()
     if step is None:
-        return None
+        return context
     return step if trace_api.get_current_span(step).get_span_context().trace_flags.sampled else False
 
 
@@ -568,6 +571,7 @@ def uninstrument_ddp(model) -> None:
     buckets = _tracers[model]
     buckets.forward_handle.remove()
     buckets.settle(last=True)
+    buckets.record(next_pass=True)
     buckets.sampled = False
     if buckets.reducer_group is not None:
         buckets.use(model, model.process_group)
@@ -620,15 +624,15 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
         return self._group.broadcast(tensors, opts)
 
     def allreduce(self, tensors, opts):
-        span = self._buckets.issued(tensors)
+        bucket = self._buckets.issued(tensors)
         try:
             work = self._group.allreduce(tensors, opts)
         except BaseException as exc:
-            if span is not None:
-                _end([span], exc)
+            if bucket is not None:
+                bucket(None, exc)
             raise
-        if span is not None:
-            work.get_future().add_done_callback(_BucketDone(span))
+        if bucket is not None:
+            work.get_future().add_done_callback(bucket)
         return work
 
 
@@ -691,6 +695,8 @@ class BucketTracer:
         self.layout = []       # per bucket, in DDP's launch order: (bytes, variable indices)
         self.layout_of = None  # the model's _has_rebuilt_buckets when the layout was read
         self.next = 0          # the bucket DDP launches next in this backward pass
+        self.completed = []    # buckets of recorded passes, completed, not recorded yet (_InFlight)
+        self.passes = 0        # backward passes begun (and buckets recorded before each)
         self.keys = _group(model.process_group)   # the group's name, ranks and collective counter
         self.sampled = False   # whether the backward pass to come is recorded
         self.reducer = None
@@ -706,6 +712,7 @@ class BucketTracer:
         """After a forward that a synced backward pass will follow: that pass launches the
         buckets again from the first, and is recorded if its step is sampled. DDP rebuilds
         its buckets once, early in a forward; then the layout is read anew."""
+        self.record(next_pass=True)
         if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
             return   # an evaluation forward, or one under no_sync(): no all-reduce follows it
         self.next = 0
@@ -780,7 +787,7 @@ class BucketTracer:
         return type(model)._match_all_reduce_for_bwd_pass(model)
 
     def issued(self, tensors):
-        """DDP's reducer all-reduces `tensors`: the span of its bucket, None when the step is
+        """DDP's reducer all-reduces `tensors`: the bucket to record, None when the step is
         not sampled or this is not a bucket (DDP's int32 map of unused parameters). DDP
         launches a backward pass's buckets in their order; the layout read after the forward
         names each one's parameters. Never raises."""
@@ -795,106 +802,145 @@ class BucketTracer:
             seq = self.keys.take()
             if not self.sampled:
                 return None
+            nbytes = tensor.nbytes
             layout = self.layout[k] if k < len(self.layout) else None
-            known = layout is not None and layout[0] == tensor.numel() * tensor.element_size()
-            return self._record(k, seq, tensor, layout[1] if known else None)
+            return _InFlight(self, k, seq, nbytes, layout[1] if layout is not None and layout[0] == nbytes else None)
         except Exception as exc:  # never let tracing break gradient sync
             warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
             return None
 
     def run(self, bucket):
-        """The comm hook's work: record the bucket, run the user's hook on it."""
-        span = None
+        """The comm hook's work: note the bucket, run the user's hook on it."""
+        record = None
         try:
             seq = self.keys.take()
             if self.sampled:
-                index = self.param_index
-                span = self._record(bucket.index(), seq, bucket.buffer(), [index.get(id(p)) for p in bucket.parameters()])
+                index, buffer = self.param_index, bucket.buffer()
+                record = _InFlight(self, bucket.index(), seq, buffer.nbytes,
+                                   [index.get(id(p)) for p in bucket.parameters()])
         except Exception as exc:  # never let tracing break gradient sync
             warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
-        _local.busy = True  # the hook's own collectives are this span's
+        _local.busy = True  # the hook's own collectives are this bucket's
         try:
             future = self.hook(self.state, bucket)
         except BaseException as exc:
-            _end([span], exc)
+            if record is not None:
+                record(None, exc)
             raise
         finally:
             _local.busy = False
-        if span is not None:
-            future.add_done_callback(_BucketDone(span))
+        if record is not None:
+            future.add_done_callback(record)
         return future
 
-    def _ready(self, params, issued: int) -> int:
+    def record(self, next_pass: bool = False) -> None:
+        """Turn the completed buckets into spans. Runs where a pass's last bucket completes
+        (a backend thread), and from the training loop's thread before the next pass
+        (`next_pass`: a bucket that completes after that is recorded at once). Python that
+        runs right after the backward's compute finds cold caches: the first bucket's span
+        took ~80 us there, the next ~10, and on the all-reduce's path they delayed it; so
+        the path only notes the bucket. Safe from several threads at once: each bucket is
+        popped once."""
+        if next_pass:
+            self.passes += 1
+        completed = self.completed
+        while completed:
+            try:
+                bucket = completed.pop()
+            except IndexError:
+                return
+            try:
+                self._span(bucket)
+            except Exception as exc:  # never raise into a backend thread or the training loop
+                warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
+
+    def _span(self, bucket: tuple) -> None:
+        index, seq, nbytes, params, issued, backward_start, context, step, thread, end, future, error = bucket
+        parent = _parent(context, step)
+        if parent is False:
+            return
+        group = self.keys
+        attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
+                      sc.COLL_OP: "all_reduce", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: True,
+                      sc.COLL_BYTES: nbytes, sc.DDP_BUCKET: index}
+        if params is not None:
+            attributes[sc.DDP_PARAMS] = len(params)
+            attributes[sc.DDP_READY_NS] = self._ready(params, issued, backward_start)
+        if self.hook_name is not None:
+            attributes[sc.DDP_HOOK] = self.hook_name
+        tracing = _tracing()
+        ours = isinstance(tracing.provider, TracerProvider)   # then `issued` is on its clock, else epoch ns
+        span = tracing.tracer.start_span("ddp.all_reduce", parent, attributes=attributes,
+                                         start_time=None if ours else issued)
+        if ours and isinstance(span, Span):
+            span.start = issued
+            span.thread = THREAD_IDS.setdefault(thread, thread)   # the issuing thread's, as if started there
+        if error is None and future is not None:
+            try:
+                future.value()
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
+        span.end(end)
+
+    def _ready(self, params, issued: int, backward_start: int) -> int:
         """When the bucket's last gradient was accumulated. The reducer notes each one's time
         from the start of the backward pass (prepare_for_backward, on its own clock), which
         was just before forward_done stamped backward_start: at most that little late, and
-        never after the all-reduce was issued."""
+        never after the all-reduce was issued. The times are the pass's until the next
+        backward, which comes after the pass is recorded."""
         try:
             since = self.reducer.get_backward_stats()
             last = max(since[i] for i in params if i is not None)
         except (AttributeError, RuntimeError, IndexError, TypeError, ValueError):
             return issued
-        return min(self.backward_start + last, issued)
-
-    def _record(self, index, seq, buffer, params):
-        """The bucket's span (None if the issuing thread's context says not to record).
-        `params` (indices into the model's parameters) is None where unknown."""
-        tracing = self.tracing
-        issued = tracing.now()
-        group = self.keys
-        attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
-                      sc.COLL_OP: "all_reduce", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: True,
-                      sc.COLL_BYTES: buffer.numel() * buffer.element_size(), sc.DDP_BUCKET: index}
-        if params is not None:
-            attributes[sc.DDP_PARAMS] = len(params)
-            attributes[sc.DDP_READY_NS] = self._ready(params, issued)
-        if self.hook_name is not None:
-            attributes[sc.DDP_HOOK] = self.hook_name
-        # The parent on the thread that issues the bucket (autograd's device threads have no
-        # context of their own: the open step's, then).
-        parent = _parent()
-        if parent is False:
-            return None
-        span = tracing.tracer.start_span("ddp.all_reduce", parent, attributes=attributes)
-        if isinstance(span, Span):
-            span.start = issued   # the time the ready time is bounded by
-        return span
+        return min(backward_start + last, issued)
 
 
-class _BucketDone:
-    """A bucket's completion callback, run on a backend thread: ends the span. The backend
+_time_ns = time.time_ns
+
+
+class _InFlight:
+    """A bucket of a recorded pass, noted where it is issued (its number, size, time and
+    the issuing thread's context), and its completion callback, which runs on a backend
+    thread: it stamps the end and queues the bucket (a tuple of its fields) for
+    BucketTracer.record, which it calls where the pass's last bucket completes. The backend
     drops its callbacks after completing the future, and dropping one takes the GIL, which
     aborts the process if the interpreter is already finalizing (a short script that exits
-    right after its last backward). So the callbacks still held are counted, and at exit
-    crosstrace waits for them, briefly."""
+    right after its last backward). So the callbacks still held are counted (nothing else
+    refers to one), and at exit crosstrace waits for them, briefly."""
 
-    __slots__ = ("span",)
-    held = 0
-    _lock = threading.RLock()  # __del__ may run inside it (a collection)
+    __slots__ = ("tracer", "index", "seq", "nbytes", "params", "issued", "backward_start", "context", "step",
+                 "thread", "pass_")
+    held: list = []           # one entry per callback not dropped yet (append and pop are atomic)
     _exit_hook = False
 
-    def __init__(self, span):
-        self.span = span
-        with _BucketDone._lock:
-            _BucketDone.held += 1
-        if not _BucketDone._exit_hook:
-            _BucketDone._exit_hook = True
-            atexit.register(_BucketDone.wait_released)
+    def __init__(self, tracer: BucketTracer, index: int, seq: int, nbytes: int, params):
+        _InFlight.held.append(None)
+        self.tracer, self.index, self.seq, self.nbytes, self.params = tracer, index, seq, nbytes, params
+        self.issued = tracer.tracing.now()
+        self.backward_start, self.pass_ = tracer.backward_start, tracer.passes
+        self.context, self.step, self.thread = current_context(), active_step(), threading.get_ident()
+        if not _InFlight._exit_hook:
+            _InFlight._exit_hook = True
+            atexit.register(_InFlight.at_exit)
 
-    def __call__(self, future) -> None:
-        try:
-            future.value()
-        except BaseException as exc:
-            _end([self.span], exc)
-            return
-        self.span.end()
+    def __call__(self, future, error: BaseException | None = None) -> None:
+        tracer = self.tracer
+        tracer.completed.append((self.index, self.seq, self.nbytes, self.params, self.issued, self.backward_start,
+                                 self.context, self.step, self.thread, _time_ns(), future, error))
+        if len(tracer.completed) >= (len(tracer.layout) or 1) or self.pass_ != tracer.passes:
+            tracer.record()   # the pass's last bucket, or one completing after its pass
 
     def __del__(self):
-        with _BucketDone._lock:
-            _BucketDone.held -= 1
+        _InFlight.held.pop()
 
     @staticmethod
-    def wait_released(timeout_s: float = 1.0) -> None:
+    def at_exit(timeout_s: float = 1.0) -> None:
+        """Wait for the callbacks still held, then record what completed."""
         deadline = time.monotonic() + timeout_s
-        while _BucketDone.held > 0 and time.monotonic() < deadline:
+        while _InFlight.held and time.monotonic() < deadline:
             time.sleep(0.001)
+        for tracer in list(_tracers.values()):
+            tracer.record()
