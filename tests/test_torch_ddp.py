@@ -348,3 +348,18 @@ def test_bucket_rebuild_never_deadlocks(tmp_path):
     with CollectorProcess(str(tmp_path / "store.db")) as collector:
         reports = run_ranks(REBUILD_WORKER, 3, collector, timeout_s=90, job_id="ddp-rebuild")
     assert all(report["models"] == 150 and report["flushed"] for report in reports)
+
+
+def test_a_bucket_keeps_the_parent_of_where_it_was_issued():
+    """A bucket is recorded later than issued, maybe inside the next step; its parent is the
+    context (and the step: none here) captured where DDP issued it, not the one open then."""
+    from opentelemetry.context import Context
+
+    import crosstrace
+    from crosstrace.tracer.instrument.torch_dist import _parent
+
+    outside = Context()   # a thread's context outside any span and step
+    for k, every in ((0, 1), (1, 2)):   # recorded inside a sampled step, then an unsampled one
+        with crosstrace.step(k, every=every):
+            assert _parent(outside, None) is outside            # a root, as where it was issued
+            assert _parent() is (None if every == 1 else False)  # a bucket issued in this step

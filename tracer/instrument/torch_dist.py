@@ -99,14 +99,18 @@ def _tracing() -> type[_Tracing]:
     return _Tracing
 
 
-def _parent(context=None, step=None):
-    """The parent context of a new span: None for `context` (default: the current one),
-    the open step's (or `step`) on threads without a context of their own, False inside an
-    unsampled step (record nothing)."""
+_NOW = object()   # _parent's default: the context and the step open on this thread now
+
+
+def _parent(context=None, step=_NOW):
+    """The parent context of a new span: `context` (None: the current one), else on threads
+    without a context of their own the open step's, False inside an unsampled step (record
+    nothing). Given a `step` (the open step, or None, captured earlier), that one is used."""
     ctx = trace_api.get_current_span(context).get_span_context()
     if ctx.is_valid:
         return context if ctx.trace_flags.sampled else False
-    step = step or active_step()
+    if step is _NOW:
+        step = active_step()
     if step is None:
         return context
     return step if trace_api.get_current_span(step).get_span_context().trace_flags.sampled else False
@@ -697,6 +701,7 @@ class BucketTracer:
         self.next = 0          # the bucket DDP launches next in this backward pass
         self.completed = []    # buckets of recorded passes, completed, not recorded yet (_InFlight)
         self.passes = 0        # backward passes begun (and buckets recorded before each)
+        self.stats_before = None   # the reducer's per-gradient times of the pass before this one
         self.keys = _group(model.process_group)   # the group's name, ranks and collective counter
         self.sampled = False   # whether the backward pass to come is recorded
         self.reducer = None
@@ -842,6 +847,11 @@ class BucketTracer:
         the path only notes the bucket. Safe from several threads at once: each bucket is
         popped once."""
         if next_pass:
+            if self.sampled and self.reducer is not None:   # buckets of the pass ending may complete later
+                try:
+                    self.stats_before = self.reducer.get_backward_stats()
+                except (AttributeError, RuntimeError):
+                    self.stats_before = None
             self.passes += 1
         completed = self.completed
         while completed:
@@ -855,7 +865,7 @@ class BucketTracer:
                 warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
 
     def _span(self, bucket: tuple) -> None:
-        index, seq, nbytes, params, issued, backward_start, context, step, thread, end, future, error = bucket
+        index, seq, nbytes, params, issued, backward_start, context, step, thread, pass_, end, future, error = bucket
         parent = _parent(context, step)
         if parent is False:
             return
@@ -865,7 +875,8 @@ class BucketTracer:
                       sc.COLL_BYTES: nbytes, sc.DDP_BUCKET: index}
         if params is not None:
             attributes[sc.DDP_PARAMS] = len(params)
-            attributes[sc.DDP_READY_NS] = self._ready(params, issued, backward_start)
+            stats = self.stats_before if pass_ != self.passes else None   # its pass is over
+            attributes[sc.DDP_READY_NS] = self._ready(params, issued, backward_start, stats)
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
         tracing = _tracing()
@@ -882,16 +893,19 @@ class BucketTracer:
                 error = exc
         if error is not None:
             span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
-        span.end(end)
+        # `end` is on the tracing clock; a crosstrace span's end() takes epoch ns and maps them
+        # back, so both conversions happen now: drift and wall-clock steps since cancel out
+        span.end(_time_ns() + (end - tracing.now()) if ours else end)
 
-    def _ready(self, params, issued: int, backward_start: int) -> int:
+    def _ready(self, params, issued: int, backward_start: int, stats=None) -> int:
         """When the bucket's last gradient was accumulated. The reducer notes each one's time
         from the start of the backward pass (prepare_for_backward, on its own clock), which
         was just before forward_done stamped backward_start: at most that little late, and
-        never after the all-reduce was issued. The times are the pass's until the next
-        backward, which comes after the pass is recorded."""
+        never after the all-reduce was issued. The reducer's times are the pass's until the
+        next backward starts: a bucket of a pass that is over gets `stats`, the times
+        copied when the next forward ended."""
         try:
-            since = self.reducer.get_backward_stats()
+            since = stats if stats is not None else self.reducer.get_backward_stats()
             last = max(since[i] for i in params if i is not None)
         except (AttributeError, RuntimeError, IndexError, TypeError, ValueError):
             return issued
@@ -929,7 +943,8 @@ class _InFlight:
     def __call__(self, future, error: BaseException | None = None) -> None:
         tracer = self.tracer
         tracer.completed.append((self.index, self.seq, self.nbytes, self.params, self.issued, self.backward_start,
-                                 self.context, self.step, self.thread, _time_ns(), future, error))
+                                 self.context, self.step, self.thread, self.pass_, tracer.tracing.now(), future,
+                                 error))
         if len(tracer.completed) >= (len(tracer.layout) or 1) or self.pass_ != tracer.passes:
             tracer.record()   # the pass's last bucket, or one completing after its pass
 
