@@ -170,7 +170,9 @@ def test_pipeline_bubble_matches_the_schedule(collector):
         pipe = trace["pipeline"]
         assert (pipe["ranks"], pipe["microbatches"], pipe["stages_per_rank"]) == (p, m, 1)
         assert pipe["ideal_bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
-        assert abs(pipe["bubble_fraction"] - pipe["ideal_bubble_fraction"]) <= 0.02, pipe
+        # the sleeps' overshoot and the transfers add idle time: 0.0204 over in 1 of 12 runs
+        # with the other core busy, 8 ms of a 400 ms step; a miscounted bubble is off by 0.1+
+        assert -0.02 <= pipe["bubble_fraction"] - pipe["ideal_bubble_fraction"] <= 0.04, pipe
         assert trace["unmatched"].get("send", 0) == trace["unmatched"].get("recv", 0) == 0
         for node, per in trace["per_rank"].items():
             assert per["pipeline"] and per["attribution"]["compute"] >= 2 * m * 40 * MS
