@@ -911,7 +911,7 @@ class BucketTracer:
             span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
         # `end` is on the tracing clock; a crosstrace span's end() takes epoch ns and maps them
         # back, so both conversions happen now: drift and wall-clock steps since cancel out
-        span.end(_time_ns() + (end - tracing.now()) if ours else end)
+        span.end(time.time_ns() + (end - tracing.now()) if ours else end)
 
     def _ready(self, params, issued: int, backward_start: int, stats=None) -> int:
         """When the bucket's last gradient was accumulated. The reducer notes each one's time
@@ -926,9 +926,6 @@ class BucketTracer:
         except (AttributeError, RuntimeError, IndexError, TypeError, ValueError):
             return issued
         return min(backward_start + last, issued)
-
-
-_time_ns = time.time_ns
 
 
 class _InFlight:
