@@ -109,10 +109,10 @@ def _sampled(context) -> bool | None:
     every collective and every DDP forward, where the OpenTelemetry API's calls cost ~20 us
     in all right after a forward's compute (cold caches)."""
     span = context.get(_SPAN_KEY)
-    if span is None:
-        return None
     if isinstance(span, Span):
         return True
+    if not isinstance(span, trace_api.Span):   # nothing there, or not a span: as the API reads it
+        return None
     ctx = span.get_span_context()
     return ctx.trace_flags.sampled if ctx.is_valid else None
 
