@@ -233,3 +233,25 @@ def test_torch_without_distributed_warns_once_and_the_job_goes_on():
     results, count, message = out.stdout.strip().splitlines()
     assert results == "[False, True, False, False]" and count == "1"
     assert "has no torch.distributed; nothing is traced" in message
+
+
+def test_disabled_tracing_wraps_nothing():
+    """With CROSSTRACE_DISABLED nothing is recorded, so nothing is wrapped: torch's own
+    functions, a DDP model without crosstrace's hook or process group, no pipeline hooks."""
+    out = run_python(f"""
+        import json
+        import torch.distributed as dist, torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import crosstrace
+
+        crosstrace.init()
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        all_reduce, model = dist.all_reduce, DDP(nn.Linear(2, 2))
+        group = model.process_group
+        print(json.dumps({{"collectives": crosstrace.instrument_collectives(), "same": dist.all_reduce is all_reduce,
+                          "ddp": crosstrace.instrument_ddp(model) is model, "hooks": len(model._forward_hooks),
+                          "group": model.process_group is group, "pipeline": crosstrace.instrument_pipeline()}}))
+        dist.destroy_process_group()
+    """, env={"CROSSTRACE_DISABLED": "1", "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "collectives": False, "same": True, "ddp": True, "hooks": 0, "group": True, "pipeline": False}

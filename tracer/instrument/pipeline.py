@@ -110,8 +110,9 @@ def _targets():
 
 def instrument_pipeline() -> bool:
     """Trace torch.distributed.pipelining stages and schedules (and turn on
-    instrument_collectives() for their transfers). False where torch lacks what it needs."""
-    if not torch_dist.distributed_available("instrument_pipeline"):
+    instrument_collectives() for their transfers). False where torch lacks what it needs or
+    tracing is disabled."""
+    if not torch_dist.instrumentable("instrument_pipeline"):
         return False
     try:
         targets = _targets()

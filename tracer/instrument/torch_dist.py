@@ -75,11 +75,16 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(f"crosstrace: {message}", RuntimeWarning, stacklevel=level)
 
 
-def distributed_available(what: str) -> bool:
+def instrumentable(what: str) -> bool:
+    """Whether `what` should wrap anything: torch.distributed is there (else a warning once),
+    and tracing is on. Where crosstrace's provider records nothing (CROSSTRACE_DISABLED),
+    nothing is wrapped and the job runs untouched."""
     if not AVAILABLE:
         warn_once("no-distributed", f"{what}: this torch {torch.__version__} has no torch.distributed; "
                                     "nothing is traced")
-    return AVAILABLE
+        return False
+    provider = trace_api.get_tracer_provider()
+    return not (isinstance(provider, TracerProvider) and provider.config.disabled)
 
 
 # -- where spans go -------------------------------------------------------------------------
@@ -483,8 +488,9 @@ _installed: dict[str, tuple] = {}  # name -> (original, stand-in)
 
 def instrument_collectives() -> bool:
     """Trace torch.distributed's collectives and point-to-point ops (both torch.distributed
-    and torch.distributed.distributed_c10d); False where torch.distributed is missing."""
-    if not distributed_available("instrument_collectives"):
+    and torch.distributed.distributed_c10d); False where torch.distributed is missing or
+    tracing is disabled."""
+    if not instrumentable("instrument_collectives"):
         return False
     for name, make in WRAPPERS.items():
         if name in _installed:
@@ -530,8 +536,9 @@ def instrument_ddp(model, hook=None, state=None):
     hook=powerSGD_hook, state=...)`) instead of to model.register_comm_hook(): crosstrace
     then registers a comm hook that records each bucket and runs yours. DDP allows one hook
     per model, so a model that already has one (or a built-in C++ hook) is left untraced with
-    a warning; so is a model whose hook is registered after this call."""
-    if not distributed_available("instrument_ddp"):
+    a warning; so is a model whose hook is registered after this call. With tracing disabled
+    (CROSSTRACE_DISABLED) the model is left as it is."""
+    if not instrumentable("instrument_ddp"):
         return model
     from torch.nn.parallel import DistributedDataParallel
 
