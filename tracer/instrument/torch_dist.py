@@ -136,13 +136,13 @@ def _parent(context=None, step=_NOW):
     return step if _sampled(step) else False
 
 
-def _end(spans, exc: BaseException | None = None) -> None:
+def _end(spans, exc: BaseException | None = None, end_time: int | None = None) -> None:
     for span in spans:
         if span is None:
             continue
         if isinstance(exc, Exception):
             span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-        span.end()
+        span.end(end_time)
 
 
 class _Local(threading.local):
@@ -721,7 +721,7 @@ class BucketTracer:
         self.layout = []       # per bucket, in DDP's launch order: (bytes, variable indices)
         self.layout_of = None  # the model's _has_rebuilt_buckets when the layout was read
         self.next = 0          # the bucket DDP launches next in this backward pass
-        self.completed = []    # buckets of recorded passes, completed, not recorded yet (_InFlight)
+        self.completed = []    # buckets of sampled passes, completed, not recorded yet (_InFlight)
         self.passes = 0        # backward passes begun (and buckets recorded before each)
         self.stats_before = None   # the reducer's per-gradient times of the pass before this one
         self.keys = _group(model.process_group)   # the group's name, ranks and collective counter
@@ -887,19 +887,18 @@ class BucketTracer:
             except Exception as exc:  # never raise into a backend thread or the training loop
                 warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
 
-    def _span(self, bucket: tuple) -> None:
-        index, seq, nbytes, params, issued, backward_start, context, step, thread, pass_, end, future, error = bucket
-        parent = _parent(context, step)
+    def _span(self, bucket: "_InFlight") -> None:
+        parent = _parent(bucket.context, bucket.step)
         if parent is False:
             return
-        group = self.keys
-        attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
+        group, params, issued = self.keys, bucket.params, bucket.issued
+        attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: bucket.seq,
                       sc.COLL_OP: "all_reduce", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: True,
-                      sc.COLL_BYTES: nbytes, sc.DDP_BUCKET: index}
+                      sc.COLL_BYTES: bucket.nbytes, sc.DDP_BUCKET: bucket.index}
         if params is not None:
             attributes[sc.DDP_PARAMS] = len(params)
-            stats = self.stats_before if pass_ != self.passes else None   # its pass is over
-            attributes[sc.DDP_READY_NS] = self._ready(params, issued, backward_start, stats)
+            stats = self.stats_before if bucket.pass_ != self.passes else None   # its pass is over
+            attributes[sc.DDP_READY_NS] = self._ready(params, issued, bucket.backward_start, stats)
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
         tracing = _tracing()
@@ -908,17 +907,16 @@ class BucketTracer:
                                          start_time=None if ours else issued)
         if ours and isinstance(span, Span):
             span.start = issued
-            span.thread = THREAD_IDS.setdefault(thread, thread)   # the issuing thread's, as if started there
-        if error is None and future is not None:
+            span.thread = THREAD_IDS.setdefault(bucket.thread, bucket.thread)   # the issuing thread's
+        error = bucket.error
+        if error is None and bucket.future is not None:
             try:
-                future.value()
+                bucket.future.value()
             except Exception as exc:
                 error = exc
-        if error is not None:
-            span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
         # `end` is on the tracing clock; a crosstrace span's end() takes epoch ns and maps them
         # back, so both conversions happen now: drift and wall-clock steps since cancel out
-        span.end(time.time_ns() + (end - tracing.now()) if ours else end)
+        _end([span], error, time.time_ns() + (bucket.end - tracing.now()) if ours else bucket.end)
 
     def _ready(self, params, issued: int, backward_start: int, stats=None) -> int:
         """When the bucket's last gradient was accumulated. The reducer notes each one's time
@@ -938,15 +936,14 @@ class BucketTracer:
 class _InFlight:
     """A bucket of a recorded pass, noted where it is issued (its number, size, time and
     the issuing thread's context), and its completion callback, which runs on a backend
-    thread: it stamps the end and queues the bucket (a tuple of its fields) for
-    BucketTracer.record, which it calls where the pass's last bucket completes. The backend
-    drops its callbacks after completing the future, and dropping one takes the GIL, which
-    aborts the process if the interpreter is already finalizing (a short script that exits
-    right after its last backward). So the callbacks still held are counted (nothing else
-    refers to one), and at exit crosstrace waits for them, briefly."""
+    thread: it stamps the end and queues the bucket for BucketTracer.record, which it calls
+    where the pass's last bucket completes. The backend drops its callbacks after completing
+    the future, and dropping one takes the GIL, which aborts the process if the interpreter
+    is already finalizing (a short script that exits right after its last backward). So the
+    buckets not dropped yet are counted, and at exit crosstrace waits for them, briefly."""
 
     __slots__ = ("tracer", "index", "seq", "nbytes", "params", "issued", "backward_start", "context", "step",
-                 "thread", "pass_")
+                 "thread", "pass_", "end", "future", "error")
     held: list = []           # one entry per callback not dropped yet (append and pop are atomic)
     _exit_hook = False
 
@@ -962,9 +959,8 @@ class _InFlight:
 
     def __call__(self, future, error: BaseException | None = None) -> None:
         tracer = self.tracer
-        tracer.completed.append((self.index, self.seq, self.nbytes, self.params, self.issued, self.backward_start,
-                                 self.context, self.step, self.thread, self.pass_, tracer.tracing.now(), future,
-                                 error))
+        self.end, self.future, self.error = tracer.tracing.now(), future, error   # its outcome is read later
+        tracer.completed.append(self)
         if len(tracer.completed) >= (len(tracer.layout) or 1) or self.pass_ != tracer.passes:
             tracer.record()   # the pass's last bucket, or one completing after its pass
 
@@ -973,9 +969,11 @@ class _InFlight:
 
     @staticmethod
     def at_exit(timeout_s: float = 1.0) -> None:
-        """Wait for the callbacks still held, then record what completed."""
+        """Record what completed until every bucket is dropped (or the time is up)."""
         deadline = time.monotonic() + timeout_s
-        while _InFlight.held and time.monotonic() < deadline:
+        while True:
+            for tracer in list(_tracers.values()):
+                tracer.record()
+            if not _InFlight.held or time.monotonic() >= deadline:
+                return
             time.sleep(0.001)
-        for tracer in list(_tracers.values()):
-            tracer.record()
