@@ -110,9 +110,11 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
                                for e in s.events]
         if s.links:
             extra["links"] = [[l.trace_id.hex(), l.span_id.hex(), attributes_of(l.attributes) or None]
-                              for l in s.links]
+                              + ([l.trace_state] if l.trace_state else []) for l in s.links]
         if s.status.message:
             extra["status_message"] = s.status.message
+        if s.trace_state:
+            extra["trace_state"] = s.trace_state
         if extra:
             extras.append([i, extra])
     batch = pb.SpanBatch(resource=resource_of(resource_spans.resource), count=n)

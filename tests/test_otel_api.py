@@ -167,3 +167,161 @@ def test_json_unfriendly_attribute_values_survive(provider, collector):
     attrs = t.attributes[by_name(t)["odd"]]
     assert attrs["bytes"] == "0102" and attrs["big"] == 1 << 70 and attrs["obj"].startswith("<object")
     json.dumps(attrs)
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_span_starts_where_and_when_it_is_entered(provider):
+    """start_as_current_span() only makes the context manager, as in OpenTelemetry's SDK:
+    parent, trace and start time are those of the `with`."""
+    tracer = provider.get_tracer("test")
+    for lazy in (tracer.start_as_current_span("lazy"),                        # the common case
+                 tracer.start_as_current_span("lazy", end_on_exit=False)):    # a wrapper around a span
+        made_at = provider.clock.now()
+        with tracer.start_as_current_span("parent") as parent:
+            entered_at = provider.clock.now()
+            with lazy as span:
+                assert trace.get_current_span() is span
+        assert span.parent_id == parent.span_id and span.trace_id == parent.trace_id
+        assert made_at < entered_at <= span.start
+
+
+def test_a_span_left_in_another_context_still_ends(provider, collector):
+    """A generator closed under another context (an async generator closed by asyncio, say)
+    cannot restore the context it entered; the SDK logs that and goes on, so must crosstrace."""
+    import contextvars
+
+    tracer = provider.get_tracer("test")
+
+    def numbers():
+        with tracer.start_as_current_span("in-generator"):
+            yield 1
+
+    gen = numbers()
+    next(gen)
+    contextvars.copy_context().run(gen.close)
+    assert provider.force_flush(10_000)
+    assert "in-generator" in load_table(collector.store).names
+
+
+def test_a_decorated_coroutine_is_traced_over_its_awaits(provider, collector):
+    import asyncio
+
+    tracer = provider.get_tracer("test")
+
+    @tracer.start_as_current_span("handler")
+    async def handler(fail):
+        await asyncio.sleep(0.01)
+        with tracer.start_as_current_span("inside"):
+            await asyncio.sleep(0)
+        if fail:
+            raise Boom("no")
+
+    asyncio.run(handler(False))
+    with pytest.raises(Boom):
+        asyncio.run(handler(True))
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    handlers = [i for i in range(len(t)) if t.names[t.name[i]] == "handler"]
+    inside = [i for i in range(len(t)) if t.names[t.name[i]] == "inside"]
+    assert len(handlers) == len(inside) == 2
+    for h in handlers:
+        assert t.end[h] - t.start[h] >= 10_000_000                       # the span covers the awaits
+        assert sum(t.parent_id[i] == t.span_id[h] for i in inside) == 1    # and is current inside
+    assert sorted(int(t.status[h]) for h in handlers) == [Status.UNSET, Status.ERROR]
+
+
+def test_start_span_as_context_manager_records_what_raises(provider, collector):
+    tracer = provider.get_tracer("test")
+    with pytest.raises(Boom):
+        with tracer.start_span("recorded"):
+            raise Boom("loud")
+    with pytest.raises(Boom):
+        with tracer.start_span("status-only", record_exception=False):
+            raise Boom("quiet")
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    rows = by_name(t)
+    loud, quiet = rows["recorded"], rows["status-only"]
+    assert t.status[loud] == t.status[quiet] == Status.ERROR
+    event = t.extras[loud]["events"][0]
+    assert event[0] == "exception" and event[2]["exception.type"] == f"{__name__}.Boom"
+    assert "events" not in t.extras[quiet] and t.extras[quiet]["status_message"] == "Boom: quiet"
+
+
+def test_status_list_attributes_links_and_trace_state_as_the_sdk_keeps_them(provider, collector):
+    from opentelemetry import propagate
+
+    tracer = provider.get_tracer("test")
+    values = [1, 2]
+    upstream = propagate.extract({"traceparent": f"00-{0xAB:032x}-{0xCD:016x}-01", "tracestate": "vendor=abc"})
+    invalid_with_attributes = trace.Link(trace.INVALID_SPAN_CONTEXT, {"why": "no parent"})
+    with tracer.start_as_current_span("child", context=upstream, links=[invalid_with_attributes]) as span:
+        span.set_status(trace.StatusCode.ERROR, "first")
+        span.set_status(trace.StatusCode.OK)              # OK replaces ERROR, and its message goes
+        span.set_attribute("values", values)
+        values.append(3)                                  # after set_attribute: not recorded
+        span.add_link(trace.INVALID_SPAN_CONTEXT)         # no attributes: dropped
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    row = by_name(t)["child"]
+    assert t.status[row] == Status.OK and "status_message" not in t.extras[row]
+    assert t.attributes[row] == {"values": [1, 2]}
+    assert t.extras[row]["trace_state"] == "vendor=abc"
+    assert t.extras[row]["links"] == [["0" * 32, "0" * 16, {"why": "no parent"}]]
+
+
+def test_ending_twice_logs_and_never_raises(provider, caplog):
+    import warnings
+
+    span = provider.get_tracer("test").start_span("twice")
+    span.end()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a warning would raise into the traced code
+        span.end()
+    assert "ended twice" in caplog.text
+
+
+def test_an_unsampled_parent_stays_current_and_nothing_is_recorded(provider):
+    from opentelemetry import context
+
+    tracer = provider.get_tracer("test")
+    parent = trace.NonRecordingSpan(trace.SpanContext(5, 6, is_remote=True, trace_flags=trace.TraceFlags(0)))
+    token = context.attach(trace.set_span_in_context(parent))
+    with tracer.start_as_current_span("child") as child:
+        assert not child.is_recording() and trace.get_current_span() is child
+        assert child.get_span_context().trace_id == 5
+    assert trace.get_current_span() is parent
+    context.detach(token)
+
+
+def test_opentelemetry_settings_are_followed(collector, monkeypatch):
+    from crosstrace.collector.store import Store
+    from crosstrace.tracer.config import Config
+
+    env = tracer_env(collector, "otel-settings")
+    env.update(OTEL_PYTHON_TRACER_PROVIDER="crosstrace",
+               OTEL_RESOURCE_ATTRIBUTES="service.name=shop,deployment.environment=prod,team=ml%20infra")
+    run_python("""
+        from opentelemetry import trace
+        with trace.get_tracer("plain").start_as_current_span("labelled"):
+            pass
+        assert trace.get_tracer_provider().force_flush()
+    """, env=env)
+    with Store(collector.store, readonly=True) as store:
+        [resource] = store.nodes().values()
+    assert resource.service_name == "shop"
+    assert dict(resource.labels) == {"service.name": "shop", "deployment.environment": "prod", "team": "ml infra"}
+
+    for name, value, disabled in (("OTEL_SDK_DISABLED", "true", True), ("OTEL_TRACES_SAMPLER", "always_off", True),
+                                  ("OTEL_TRACES_SAMPLER", "parentbased_always_on", False)):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert Config.from_env().disabled is disabled
+            m.setenv("CROSSTRACE_DISABLED", "false")          # crosstrace's own variable wins
+            assert Config.from_env().disabled is False
+    with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="traceidratio is not followed"):
+        m.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+        Config.from_env()

@@ -7,6 +7,7 @@ import sys
 
 import grpc
 import pytest
+from opentelemetry import propagate
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
@@ -42,7 +43,8 @@ def sdk_spans(endpoint: str, headers=None) -> list:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True, headers=headers,
                                                                     timeout=10)))
     tracer = provider.get_tracer("shop")
-    with tracer.start_as_current_span("checkout", kind=SpanKind.SERVER,
+    upstream = propagate.extract({"traceparent": f"00-{0xFEED:032x}-{0xBEEF:016x}-01", "tracestate": "shop=1"})
+    with tracer.start_as_current_span("checkout", context=upstream, kind=SpanKind.SERVER,
                                       attributes={"order": 17, "express": True, "weight": 2.5,
                                                   "items": ["a", "b"]}) as root:
         with tracer.start_as_current_span("price", attributes={sc.KIND: "compute"}) as price:
@@ -85,6 +87,7 @@ def test_opentelemetry_sdk_reports_into_the_collector(collector):
     assert pay_extra["status_message"] == "card declined"
     assert pay_extra["links"] == [[f"{truth['checkout'].context.trace_id:032x}",
                                    f"{truth['checkout'].context.span_id:016x}", {"why": "test"}]]
+    assert {table.extras[i]["trace_state"] for i in rows.values()} == {"shop=1"}
     [(event, when, attrs)] = table.extras[rows["price"]]["events"]
     assert (event, when, attrs) == ("discount", truth["price"].events[0].timestamp, {"percent": 10})
 
@@ -199,6 +202,7 @@ def test_export_otlp_sends_aligned_unix_times(collector):
             truth = sdk_truth[int(t.span_id[i])]
             assert abs(span.start_time_unix_nano - truth.start_time) < 1 * MS
             assert span.kind == _OTLP_KIND[truth.kind]   # the kind the SDK gave it, through the store and back
+            assert span.trace_state == truth.context.trace_state.to_header() == "shop=1"
 
 
 def test_export_otlp_to_nowhere_fails_clearly(collector):

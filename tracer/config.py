@@ -1,12 +1,15 @@
 """Tracer configuration from arguments, then CROSSTRACE_* environment variables, then defaults.
 
-torchrun's RANK, WORLD_SIZE and LOCAL_RANK are picked up when present. A malformed
-environment variable is reported with a warning and its default is used: the tracer
-must never stop the program it traces.
+torchrun's RANK, WORLD_SIZE and LOCAL_RANK are picked up when present, and so are
+OpenTelemetry's OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED and
+OTEL_TRACES_SAMPLER (as far as crosstrace can follow it), so that code configured for
+the OpenTelemetry SDK keeps its settings. A malformed environment variable is reported
+with a warning and its default is used: the tracer must never stop the program it traces.
 """
 import dataclasses
 import os
 import socket
+import urllib.parse
 import warnings
 
 ENV_PREFIX = "CROSSTRACE_"
@@ -19,6 +22,7 @@ class Config:
     job_id: str = "default"
     role: str = ""
     service_name: str = ""
+    labels: dict = dataclasses.field(default_factory=dict)   # the node's resource labels, "k=v,k2=v2" in the environment
     rank: int = -1
     world_size: int = 0
     local_rank: int = -1
@@ -69,8 +73,7 @@ class Config:
         for name, env_name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
             if env.get(ENV_PREFIX + name.upper()) is None and env.get(env_name) is not None:
                 _set_from_text(cfg, _FIELDS[name], env[env_name], env_name)
-        if not cfg.service_name:
-            cfg.service_name = env.get("OTEL_SERVICE_NAME", "")
+        _follow_opentelemetry(cfg, env)
         for name, value in overrides.items():
             if name not in _FIELDS:
                 raise TypeError(f"unknown crosstrace option {name!r}; known: {', '.join(sorted(_FIELDS))}")
@@ -89,6 +92,36 @@ class Config:
         return cfg
 
 
+def _follow_opentelemetry(cfg: Config, env) -> None:
+    """OpenTelemetry's own variables, where no CROSSTRACE_* one says otherwise."""
+    if not cfg.labels and env.get("OTEL_RESOURCE_ATTRIBUTES"):
+        cfg.labels = _labels(env["OTEL_RESOURCE_ATTRIBUTES"], "OTEL_RESOURCE_ATTRIBUTES")
+    if not cfg.service_name:
+        cfg.service_name = env.get("OTEL_SERVICE_NAME") or cfg.labels.get("service.name", "")
+    if env.get(ENV_PREFIX + "DISABLED") is not None:
+        return
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or sampler == "always_off":
+        cfg.disabled = True
+    elif sampler not in ("", "always_on", "parentbased_always_on"):
+        warnings.warn(f"crosstrace: OTEL_TRACES_SAMPLER={sampler} is not followed: crosstrace records every span "
+                      "under a sampled parent, and samples training steps itself (crosstrace.step(k, every=N))",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _labels(raw: str, source: str) -> dict:
+    """`key=value,key2=value2`, percent-encoded as OpenTelemetry's resource variable is."""
+    labels = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            warnings.warn(f"crosstrace: ignoring {item!r} in {source}: expected key=value", RuntimeWarning,
+                          stacklevel=4)
+            continue
+        labels[urllib.parse.unquote(key.strip())] = urllib.parse.unquote(value.strip())
+    return labels
+
+
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # Sizes and periods below these make the exporter spin or never send: such a value is
 # reported and its default used.
@@ -100,7 +133,9 @@ _MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unack
 def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     try:
-        if kind.startswith("bool"):
+        if kind.startswith("dict"):
+            value = _labels(raw, source)
+        elif kind.startswith("bool"):
             value = raw.strip().lower() in ("1", "true", "yes", "on")
         elif kind.startswith("int"):
             value = int(raw)

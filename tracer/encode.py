@@ -57,13 +57,23 @@ def _sparse(extras: list) -> tuple[bytes, bytes]:
         if x.events:
             extra["events"] = [[name, t, attrs] for name, t, attrs in x.events]
         if x.links:
-            extra["links"] = [[f"{l.context.trace_id:032x}", f"{l.context.span_id:016x}",
-                               dict(l.attributes) if l.attributes else None] for l in x.links]
+            extra["links"] = [_link(l) for l in x.links]
         if x.status_message is not None:
             extra["status_message"] = x.status_message
+        if x.trace_state:
+            extra["trace_state"] = x.trace_state.to_header()
         if extra:
             rows.append([i, extra])
     return bytes(status), dumps(rows) if rows else b""
+
+
+def _link(link) -> list:
+    """[trace id, span id, attributes] and the trace state where there is one."""
+    ctx = link.context
+    row = [f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}", dict(link.attributes) if link.attributes else None]
+    if ctx.trace_state:
+        row.append(ctx.trace_state.to_header())
+    return row
 
 
 def batches(columns: list[list], size: int):

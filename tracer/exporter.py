@@ -94,7 +94,7 @@ def _noop() -> None:
 def build_resource(cfg) -> "pb.Resource":
     return pb.Resource(node_id=cfg.node_id, host=socket.gethostname(), rank=cfg.rank,
                        world_size=cfg.world_size, local_rank=cfg.local_rank, role=cfg.role,
-                       job_id=cfg.job_id, pid=os.getpid(), service_name=cfg.service_name)
+                       job_id=cfg.job_id, pid=os.getpid(), service_name=cfg.service_name, labels=cfg.labels)
 
 
 class _Pending:

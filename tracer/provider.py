@@ -4,12 +4,13 @@ Code written against the plain OpenTelemetry API is traced unchanged, either by
 `crosstrace.init()` or with OTEL_PYTHON_TRACER_PROVIDER=crosstrace (entry point).
 """
 import atexit
+import functools
+import inspect
 import multiprocessing.util as mp_util
 import os
 import random
 import threading
 import weakref
-from functools import partial
 
 from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
@@ -21,7 +22,7 @@ from ..proto.semconv import KIND, KIND_BY_NAME
 from .clock import Clock
 from .config import Config
 from .exporter import Exporter, ExportQueue
-from .span import OTEL_KIND, THREAD_IDS, Span, SpanExtras
+from .span import OTEL_KIND, THREAD_IDS, Span, SpanExtras, log
 
 _random_bits = random.getrandbits
 _new = object.__new__
@@ -67,42 +68,50 @@ class Tracer(trace_api.Tracer):
 
     def start_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
                    start_time=None, record_exception=True, set_status_on_exception=True):
-        return self._start(Span, name, context, kind, attributes, links, start_time)
+        span = self._start(Span, name, context, kind, attributes, links, start_time)
+        if not (record_exception and set_status_on_exception) and isinstance(span, Span):
+            extras = span._extras()
+            extras.record_exception, extras.set_status_on_exception = record_exception, set_status_on_exception
+        return span
 
     def start_as_current_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
                               start_time=None, record_exception=True, set_status_on_exception=True,
                               end_on_exit=True):
-        if context is None and record_exception and set_status_on_exception and end_on_exit:
-            return self._start(ScopedSpan, name, None, kind, attributes, links, start_time)
-        span = self._start(Span, name, context, kind, attributes, links, start_time)
-        return CurrentSpan(self, span, (name, context, kind, attributes, links, start_time),
+        """The span starts when the `with` is entered, under the context current then (as
+        with OpenTelemetry's SDK), not when this is called."""
+        if (context is None and start_time is None and record_exception and set_status_on_exception
+                and end_on_exit):
+            return self._start(ScopedSpan, name, _AT_ENTER, kind, attributes, links, None)
+        return CurrentSpan(self, (name, context, kind, attributes, links, start_time),
                            record_exception, set_status_on_exception, end_on_exit)
 
     def span_starter(self):
         """start(name, context, kind, attributes) -> Span: start_span without the API's
         keyword arguments, for instrumentation on a request's path (one Python call less
         per span: about 1 us there, with cold caches)."""
-        return partial(self._start, Span, links=None, start_time=None)
+        return functools.partial(self._start, Span, links=None, start_time=None)
 
     def _start(self, cls, name, context, kind, attributes, links, start_time):
-        parent = (_get_context() if context is None else context).get(_SPAN_KEY)
+        """A span under the span current in `context` (None: the current context); a
+        NonRecordingSpan where that one is not sampled. With `context` _AT_ENTER (a
+        ScopedSpan), the parent and the start are read when the span is entered."""
         extras = None
-        if parent is None:
-            trace_id, parent_id = _random_bits(128) or _new_id(128), 0
-        elif isinstance(parent, Span):
-            trace_id, parent_id = parent.trace_id, parent.span_id
-            if parent.extras is not None and parent.extras.trace_state:
-                extras = SpanExtras(trace_state=parent.extras.trace_state)
+        if context is _AT_ENTER:
+            trace_id = parent_id = 0
+            start_time = _AT_ENTER
         else:
-            ctx = parent.get_span_context()
-            if not ctx.is_valid:
-                trace_id, parent_id = _new_id(128), 0
-            elif not ctx.trace_flags.sampled:
-                return trace_api.NonRecordingSpan(ctx)
+            parent = (_get_context() if context is None else context).get(_SPAN_KEY)
+            if parent is None:
+                trace_id, parent_id = _random_bits(128) or _new_id(128), 0
+            elif isinstance(parent, Span) and parent.extras is None:   # the common nesting, inline
+                trace_id, parent_id = parent.trace_id, parent.span_id
             else:
-                trace_id, parent_id = ctx.trace_id, ctx.span_id
-                if ctx.trace_state:
-                    extras = SpanExtras(trace_state=ctx.trace_state)
+                under = _under(parent)
+                if under is None:
+                    return trace_api.NonRecordingSpan(parent.get_span_context())
+                trace_id, parent_id, trace_state = under
+                if trace_state:
+                    extras = SpanExtras(trace_state=trace_state)
         if kind is _INTERNAL:
             code = 0
         else:
@@ -116,7 +125,7 @@ class Tracer(trace_api.Tracer):
         else:
             attributes = None
         if links:
-            links = [link for link in links if link.context.is_valid]
+            links = [link for link in links if _recordable(link)]
             if links:
                 extras = SpanExtras(links, extras.trace_state if extras else None)
         span = _new(cls)
@@ -131,8 +140,34 @@ class Tracer(trace_api.Tracer):
         span.end_ns = 0
         thread = _get_ident()
         span.thread = _intern_thread(thread, thread)
-        span.start = self._now() if start_time is None else self._queue.clock.from_epoch_ns(start_time)
+        if start_time is None:
+            span.start = self._now()
+        elif start_time is not _AT_ENTER:
+            span.start = self._queue.clock.from_epoch_ns(start_time)
         return span
+
+
+_AT_ENTER = object()   # Tracer._start's context for a ScopedSpan
+
+
+def _under(parent) -> tuple[int, int, object] | None:
+    """(trace id, parent span id, trace state) of a span started under `parent` (a span),
+    None where `parent` is not sampled: the new span records nothing."""
+    if isinstance(parent, Span):
+        extras = parent.extras
+        return parent.trace_id, parent.span_id, extras.trace_state if extras is not None else None
+    ctx = parent.get_span_context()
+    if not ctx.is_valid:
+        return _random_bits(128) or _new_id(128), 0, None
+    if not ctx.trace_flags.sampled:
+        return None
+    return ctx.trace_id, ctx.span_id, ctx.trace_state
+
+
+def _recordable(link) -> bool:
+    """OpenTelemetry keeps a link to an invalid context when it has attributes or a trace state."""
+    context = link.context
+    return context.is_valid or bool(link.attributes) or bool(context.trace_state)
 
 
 current_context, detach = _get_context, _detach   # for instrumentation: one ContextVar call each
@@ -157,63 +192,84 @@ def attach_span(span, parent: Context) -> object:
 attach = _attach   # for instrumentation: one ContextVar.set
 
 
+def detach_quietly(token) -> None:
+    """Leave a context entered with attach(). Where it is left in another context than the
+    one it was entered in (a generator closed elsewhere), OpenTelemetry logs and goes on:
+    so does crosstrace, rather than raise into the traced code."""
+    try:
+        _detach(token)
+    except (ValueError, RuntimeError) as exc:
+        log.debug("crosstrace: could not leave a span's context: %s", exc)
+
+
 class ScopedSpan(Span):
     """What `start_as_current_span` returns in the common case (default flags, current
     context as parent): the span is its own context manager, so entering it costs one
-    Context and one ContextVar.set and no wrapper object."""
+    Context and one ContextVar.set and no wrapper object. Its parent, trace id and start
+    are those of where and when it is entered."""
 
     __slots__ = ("_token",)
 
-    def __enter__(self) -> "ScopedSpan":
-        # context_with(self, parent), inlined: the call costs ~330 instructions per span
+    def __enter__(self):
         parent = _get_context()
+        span = parent.get(_SPAN_KEY)
+        if span is None:
+            self.trace_id = _random_bits(128) or _new_id(128)
+        elif isinstance(span, Span) and span.extras is None:   # the common nesting, inline
+            self.trace_id, self.parent_id = span.trace_id, span.span_id
+        else:
+            under = _under(span)
+            if under is None:   # an unsampled parent: nothing is recorded, the parent's context is current
+                self.end_ns = 1
+                span = trace_api.NonRecordingSpan(span.get_span_context())
+                self._token = attach_span(span, parent)
+                return span
+            self.trace_id, self.parent_id, trace_state = under
+            if trace_state:
+                self._extras().trace_state = trace_state
+        # context_with(self, parent), inlined: the call costs ~330 instructions per span
         ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
         dict.__setitem__(ctx, _SPAN_KEY, self)
         self._token = _attach(ctx)
+        self.start = self._sink.now()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None and isinstance(exc, Exception) and not self.end_ns:
-            self.record_exception(exc, escaped=True)
-            self.set_status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}")
-        _detach(self._token)
+            self._raised(exc)
+        try:
+            _detach(self._token)
+        except (ValueError, RuntimeError) as err:   # left in another context: see detach_quietly
+            log.debug("crosstrace: could not leave a span's context: %s", err)
         self._token = None
-        self.end()
+        if not self.end_ns:
+            self.end()
 
     def __call__(self, func):
         """Used as a decorator (`@tracer.start_as_current_span(...)`): each call gets a new
-        span like this one; this one is never ended nor exported."""
-        import functools
-
-        tracer, name, kind = Tracer(self._sink, ""), self.name, self.kind
-        attributes = self.attributes
+        span like this one; this one is never entered nor exported."""
         links = self.extras.links if self.extras is not None else None
-
-        @functools.wraps(func)
-        def traced(*args, **kwargs):
-            with tracer.start_as_current_span(name, None, kind, attributes, links):
-                return func(*args, **kwargs)
-
-        return traced
+        return traced_calls(func, functools.partial(Tracer(self._sink, "").start_as_current_span, self.name, None,
+                                          self.kind, self.attributes, links))
 
 
 class CurrentSpan:
-    """`start_as_current_span` with a given parent context or non-default flags: a
-    wrapper around a plain Span (the common case is ScopedSpan)."""
+    """`start_as_current_span` with a given parent context, a start time or non-default
+    flags: starts a plain Span when entered (the common case is ScopedSpan)."""
 
     __slots__ = ("_tracer", "_span", "_args", "_record", "_set_status", "_end", "_token")
 
-    def __init__(self, tracer, span, args, record_exception, set_status_on_exception, end_on_exit):
+    def __init__(self, tracer, args, record_exception, set_status_on_exception, end_on_exit):
         self._tracer = tracer
-        self._span = span
         self._args = args
         self._record = record_exception
         self._set_status = set_status_on_exception
         self._end = end_on_exit
 
     def __enter__(self):
-        self._token = attach_span(self._span, _get_context())
-        return self._span
+        span = self._span = self._tracer.start_span(*self._args)
+        self._token = attach_span(span, _get_context())
+        return span
 
     def __exit__(self, exc_type, exc, tb):
         span = self._span
@@ -224,23 +280,34 @@ class CurrentSpan:
                 if self._set_status:
                     span.set_status(OtelStatus(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         finally:
-            _detach(self._token)
-            if self._end:
+            detach_quietly(self._token)
+            if self._end and span.is_recording():
                 span.end()
         return False
 
     def __call__(self, func):
         """Used as a decorator: one new span per call."""
-        import functools
-
         tracer, args, flags = self._tracer, self._args, (self._record, self._set_status, self._end)
+        return traced_calls(func, lambda: CurrentSpan(tracer, args, *flags))
 
+
+def traced_calls(func, scope):
+    """`func` with each call inside `with scope():`. A coroutine function's span covers its
+    whole run, awaits included, not just the call that makes the coroutine."""
+    if inspect.iscoroutinefunction(func):
         @functools.wraps(func)
-        def traced(*a, **kw):
-            with CurrentSpan(tracer, tracer.start_span(*args), args, *flags):
-                return func(*a, **kw)
+        async def traced_async(*args, **kwargs):
+            with scope():
+                return await func(*args, **kwargs)
 
-        return traced
+        return traced_async
+
+    @functools.wraps(func)
+    def traced(*args, **kwargs):
+        with scope():
+            return func(*args, **kwargs)
+
+    return traced
 
 
 class TracerProvider(trace_api.TracerProvider):

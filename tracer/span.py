@@ -7,13 +7,15 @@ batches.
 What end() queues is the span's fields and attributes (ExportQueue says why), not the
 span itself, which dies at end() unless its caller keeps it.
 """
+import logging
 import traceback
-import warnings
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
 from ..proto.semconv import OTEL_KINDS, Kind, Status
+
+log = logging.getLogger("crosstrace.tracer")
 
 # get_ident() makes a new int object on every call; interning it saves 36 bytes per
 # queued span. The exporter clears this when it grows (threads come and go).
@@ -39,9 +41,8 @@ class Span:
                  "attributes", "extras", "_sink")
 
     def end(self, end_time: int | None = None) -> None:
-        if self.end_ns:
-            warnings.warn(f"crosstrace: span {self.name!r} ended twice; the second end() is ignored",
-                          RuntimeWarning, stacklevel=2)
+        if self.end_ns:   # logged, as OpenTelemetry's SDK does: a warning could raise into the caller
+            log.warning("crosstrace: span %r ended twice; the second end() is ignored", self.name)
             return
         sink = self._sink
         end = self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
@@ -74,6 +75,8 @@ class Span:
     def set_attribute(self, key: str, value) -> None:
         if self.end_ns:
             return
+        if value.__class__ is list:   # kept as it is now: the caller may reuse the list
+            value = tuple(value)
         if self.attributes is None:
             self.attributes = {key: value}
         else:
@@ -83,9 +86,9 @@ class Span:
         if self.end_ns or not attributes:
             return
         if self.attributes is None:
-            self.attributes = dict(attributes)
+            self.attributes = own_attributes(attributes)
         else:
-            self.attributes.update(attributes)
+            self.attributes.update(own_attributes(attributes))
 
     def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
         if self.end_ns:
@@ -118,13 +121,14 @@ class Span:
             return
         extras = self._extras()
         extras.status = _STATUS[code]
-        if code is StatusCode.ERROR and description:
-            extras.status_message = description
+        extras.status_message = description if code is StatusCode.ERROR and description else None
 
     def record_exception(self, exception: BaseException, attributes=None, timestamp=None,
                          escaped: bool = False) -> None:
-        event_attributes = {
-            "exception.type": type(exception).__qualname__,
+        kind = type(exception)
+        module = kind.__module__
+        event_attributes = {   # the type fully qualified, as OpenTelemetry's SDK and conventions have it
+            "exception.type": f"{module}.{kind.__qualname__}" if module and module != "builtins" else kind.__qualname__,
             "exception.message": str(exception),
             "exception.stacktrace": "".join(traceback.format_exception(exception)),
             "exception.escaped": escaped,
@@ -137,7 +141,20 @@ class Span:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.end()
+        """`with tracer.start_span(...)`: an exception is recorded, unless start_span was told not to."""
+        if exc is not None and isinstance(exc, Exception) and not self.end_ns:
+            self._raised(exc)
+        if not self.end_ns:
+            self.end()
+
+    def _raised(self, exc: Exception) -> None:
+        """An exception escaped the span: an exception event and an ERROR status (as far
+        as start_span's record_exception and set_status_on_exception allow)."""
+        extras = self.extras
+        if extras is None or extras.record_exception:
+            self.record_exception(exc, escaped=True)
+        if extras is None or extras.set_status_on_exception:
+            self.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
 
     def __repr__(self) -> str:
         return (f"Span({self.name!r}, trace_id={self.trace_id:032x}, span_id={self.span_id:016x}, "
@@ -162,7 +179,8 @@ class RemoteParent(Span):
 
 
 class SpanExtras:
-    __slots__ = ("status", "status_message", "events", "links", "trace_state")
+    __slots__ = ("status", "status_message", "events", "links", "trace_state", "record_exception",
+                 "set_status_on_exception")
 
     def __init__(self, links=None, trace_state=None):
         self.status = 0
@@ -170,3 +188,15 @@ class SpanExtras:
         self.events = []
         self.links = links or []
         self.trace_state = trace_state
+        self.record_exception = self.set_status_on_exception = True   # start_span's flags
+
+
+def own_attributes(attributes) -> dict:
+    """A copy of `attributes` that the caller cannot change any more: lists become tuples
+    (as in OpenTelemetry's SDK), since the values are read when the span is exported."""
+    attributes = dict(attributes)
+    if list in map(type, attributes.values()):
+        for key, value in attributes.items():
+            if value.__class__ is list:
+                attributes[key] = tuple(value)
+    return attributes

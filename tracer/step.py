@@ -31,7 +31,7 @@ from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import StatusCode
 
 from ..proto import semconv as sc
-from .provider import TracerProvider, attach, context_with, current_context, detach
+from .provider import TracerProvider, attach, context_with, current_context, detach_quietly
 from .span import RemoteParent
 
 _M64 = (1 << 64) - 1
@@ -129,7 +129,7 @@ class Step:
     def _leave(self):
         global _active
         _active = self._outer
-        detach(self._token)
+        detach_quietly(self._token)   # a steps() loop may be closed under another context
         return self.span
 
     @property

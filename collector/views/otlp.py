@@ -126,9 +126,11 @@ def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span"
     for name, when, event_attrs in extra.get("events", ()):
         span.events.add(name=str(name), time_unix_nano=max(event_time(when), 0),
                         attributes=key_values(event_attrs))
-    for trace_hex, span_hex, link_attrs in extra.get("links", ()):
+    if extra.get("trace_state"):
+        span.trace_state = str(extra["trace_state"])
+    for trace_hex, span_hex, link_attrs, *trace_state in extra.get("links", ()):
         span.links.add(trace_id=bytes.fromhex(trace_hex), span_id=bytes.fromhex(span_hex),
-                       attributes=key_values(link_attrs))
+                       attributes=key_values(link_attrs), trace_state=str(trace_state[0]) if trace_state else "")
     return span
 
 
