@@ -20,7 +20,7 @@ class CollectorProcess:
         cmd = [sys.executable, "-m", "crosstrace", "collector", "--listen", listen, "--store", store,
                "--quiet", *extra_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=True)  # stopped by us, not Ctrl-C
         self.address = self._wait_listening(timeout_s)
         self.port = int(self.address.rsplit(":", 1)[1])
         self.stderr_lines: list[str] = []

@@ -1,9 +1,16 @@
 """The command line as users run it: demo, report (terminal and JSON), export, help."""
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+
+from crosstrace.demo import injected_offset_at
 
 from .conftest import run_python, tracer_env
 
@@ -30,8 +37,11 @@ def test_demo_runs_end_to_end_and_recovers_the_injected_clocks(demo):
     assert len(rpc) == 10 and all(t["nodes"] == 3 and t["spans"] == 8 for t in rpc)
     for node, truth in report["demo"]["injected_clocks"].items():
         clock = report["clocks"][node]
-        assert abs(clock["offset_ns"] - truth["offset_ns"]) <= max(clock["error_bound_ns"], 2_000_000), node
+        injected = injected_offset_at(truth, report["demo"]["clock_epoch_ns"], clock["at_local_ns"])
+        assert abs(clock["offset_ns"] - injected) <= clock["error_bound_ns"], node
     assert "clock recovery" in result.stdout and "slowest traces" in result.stdout
+    assert {f.name for f in out.iterdir()} >= {"report.json", "report.html", "trace.json", "store.db"}
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
     assert report["dropped_spans"] == {} or not any(report["dropped_spans"].values())
 
 
@@ -93,3 +103,47 @@ def test_collector_cli_stops_cleanly_on_sigterm(collector):
         assert p.force_flush(10000)
     """, env=tracer_env(collector, "cli"))
     assert collector.stop() == 0
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line or environment holds `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/environ", "rb") as g:
+                if text.encode() in f.read() + g.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_terminated_demo_stops_its_collector_and_workers(tmp_path):
+    demo = subprocess.Popen([sys.executable, "-m", "crosstrace", "demo", "--workloads", "rpc", "--requests", "100000",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killer = threading.Timer(120, demo.kill)
+    killer.start()
+    try:
+        address = None
+        for line in demo.stdout:
+            match = re.search(r"collector listening on (\S+)", line)
+            address = match.group(1) if match else address
+            if line.startswith("demo: rpc:"):
+                break
+        assert address, "the demo did not start its collector"
+        deadline = time.monotonic() + 60
+        while len(_processes_mentioning(f"CROSSTRACE_ENDPOINT={address}")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)   # the three RPC workers
+        assert len(_processes_mentioning(f"CROSSTRACE_ENDPOINT={address}")) == 3
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) == 143
+        assert "interrupted" in demo.stdout.read()
+        deadline = time.monotonic() + 20
+        while (_processes_mentioning(f"CROSSTRACE_ENDPOINT={address}") or _processes_mentioning(str(tmp_path))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _processes_mentioning(f"CROSSTRACE_ENDPOINT={address}")
+        assert not _processes_mentioning(str(tmp_path / "store.db"))
+    finally:
+        killer.cancel()
+        demo.kill()

@@ -1,5 +1,7 @@
 """`crosstrace demo`: the main job, end to end on this machine."""
 import argparse
+import signal
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -13,15 +15,25 @@ def register(sub) -> None:
                        description="Start a collector and traced worker processes with different simulated "
                                    "clocks on this machine, then analyse what they recorded.")
     p.add_argument("--out", default="crosstrace-demo", help="output folder (default ./%(default)s)")
-    p.add_argument("--requests", type=int, default=20, help="requests in the RPC workload")
+    p.add_argument("--requests", type=_positive, default=20, help="requests in the RPC workload (default %(default)s)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), type=_workloads,
                    help="comma-separated, from: " + "; ".join(f"{name} ({what})" for name, (_, _, what)
                                                                in WORKLOADS.items()) + " (default: all)")
     p.set_defaults(func=run)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def _workloads(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))   # each once, in order
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown workload {', '.join(unknown) or '(none)'}; "
@@ -32,21 +44,30 @@ def _workloads(text: str) -> list[str]:
 def run(args) -> int:
     from ..demo import run as run_demo
 
+    from ..demo import injected_offset_at
+
     console = Console()
-    report = run_demo(args.out, requests=args.requests, workloads=args.workloads, say=lambda m: console.print(f"[dim]demo:[/] {m}"))
+    say = lambda m: console.print(f"[dim]demo:[/] {m}")   # noqa: E731
+    # SIGTERM ends the demo as Ctrl-C does: through the `finally`s that stop the workers and the collector.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        report = run_demo(args.out, requests=args.requests, workloads=args.workloads, say=say)
+    except (KeyboardInterrupt, SystemExit):
+        say("interrupted; the workers and the collector are stopped")
+        raise
     terminal.render(report, console)
-    truth = report["demo"]["injected_clocks"]
-    table = Table(title="clock recovery: injected (never sent) vs. recovered from clock samples",
-                  title_justify="left")
+    truth, epoch = report["demo"]["injected_clocks"], report["demo"]["clock_epoch_ns"]
+    table = Table(title="clock recovery, both at the same instant: injected (never sent) vs. recovered from "
+                        "clock samples", title_justify="left")
     for col in ("node", "injected offset", "recovered", "injected drift", "recovered drift", "bound"):
         table.add_column(col, justify="left" if col == "node" else "right")
     for node, clock in truth.items():
         got = report["clocks"].get(node)
         if got is None:
             continue
-        table.add_row(node, terminal.fmt_ns(clock["offset_ns"]), terminal.fmt_ns(got["offset_ns"]),
-                      f"{clock['drift_ppm']:+.1f} ppm", _drift(got),
-                      terminal.fmt_ns(got["error_bound_ns"]))
+        injected = injected_offset_at(clock, epoch, got["at_local_ns"])
+        table.add_row(node, terminal.fmt_ns(injected), terminal.fmt_ns(got["offset_ns"]),
+                      f"{clock['drift_ppm']:+.1f} ppm", _drift(got), terminal.fmt_ns(got["error_bound_ns"]))
     console.print(table)
     findings = Table(title="workloads: what was injected vs. what the analysis found", title_justify="left")
     for col in ("workload", "injected", "found"):
@@ -54,8 +75,10 @@ def run(args) -> int:
     for row in workload_findings(report):
         findings.add_row(*row)
     console.print(findings)
-    console.print(f"report: {report['demo']['report_json']}   (also: crosstrace report --store "
-                  f"{report['store']} --html report.html; crosstrace export --perfetto trace.json)")
+    files = report["demo"]["files"]
+    console.print(f"wrote {files['report_json']} (the whole report), {files['html']} (open it in a browser) and "
+                  f"{files['perfetto']} (open it in ui.perfetto.dev)\n"
+                  f"and more from the store: crosstrace report --store {report['store']} --limit 30")
     return 0
 
 
@@ -63,6 +86,10 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
     """One row per workload: its injected fault or delay next to the analysis' finding."""
     injected, summary, rows = report["demo"]["workloads"], report.get("summary", {}), []
     traces = report["traces"]
+    if "rpc" in injected:
+        chain = [t for t in traces if {"frontend", "gateway", "model"} <= set(t["per_rank"])]
+        rows.append(("rpc", f"{injected['rpc']['requests']} requests frontend -> gateway -> model, three clocks",
+                     f"{len(chain)} traces across the three nodes"))
     if "edge" in injected:
         e = injected["edge"]
         legs = summary.get("edge-request", {}).get("attribution", {})
@@ -79,7 +106,8 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
                        for n in t["per_rank"] if n != top)
         found = (f"straggler {top} in {named.count(top)} of {len(steps)} steps; the other ranks' "
                  f"collective.wait median {terminal.fmt_ns(waits[len(waits) // 2])}" if top else "no straggler")
-        rows.append(("ddp", f"{d['straggler_node']} sleeps {d['straggle_ms']} ms before backward", found))
+        rows.append(("ddp", f"{d['straggler_node']} sleeps {d['straggle_ms']} ms at the end of its {d['straggler_span']} "
+                            "(before backward)", found))
     if "pipeline" in injected:
         p = injected["pipeline"]
         fractions = sorted(t["pipeline"]["bubble_fraction"] for t in traces

@@ -34,7 +34,8 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
     can be set next to what the analysis found."""
     import importlib
 
-    from ..commands.report import build_report
+    from ..collector.views import html, perfetto
+    from ..commands.report import analyse_report
 
     os.makedirs(out_dir, exist_ok=True)
     store = os.path.join(out_dir, "store.db")
@@ -49,23 +50,32 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
         workers = Workers(collector, epoch_ns=time.monotonic_ns())
         try:
             for name in workloads:
-                module, needs_torch, what = WORKLOADS[name]
+                module, needs_torch, _ = WORKLOADS[name]
                 if needs_torch and _torch_missing():
                     skipped[name] = "torch is not installed (pip install torch==2.13.0 'crosstrace[torch]')"
                     say(f"{name}: skipped, {skipped[name]}")
                     continue
                 started = time.monotonic()
-                say(f"{name}: {what}")
                 injected[name] = importlib.import_module(module).run(workers, say, **options.get(name, {}))
                 say(f"{name}: done in {time.monotonic() - started:.1f} s")
         finally:
             workers.stop_all()
     say("collector stopped; analysing")
-    report, _ = build_report(store, quiet=True)
+    report, analysed, attributed = analyse_report(store, quiet=True)
     report["demo"] = {"injected_clocks": {node: dataclasses.asdict(c) for node, c in workers.truth.items()},
-                      "workloads": injected, "skipped": skipped}
-    path = os.path.join(out_dir, "report.json")
-    with open(path, "w") as out:
+                      "clock_epoch_ns": workers.epoch_ns, "workloads": injected, "skipped": skipped}
+    files = {"report_json": os.path.join(out_dir, "report.json"), "html": os.path.join(out_dir, "report.html"),
+             "perfetto": os.path.join(out_dir, "trace.json")}
+    with open(files["report_json"], "w") as out:
         json.dump(report, out, indent=1)
-    report["demo"]["report_json"] = path
+    html.write(files["html"], report, analysed, attributed)
+    perfetto.write(files["perfetto"], analysed, attributed)
+    report["demo"]["files"] = files
     return report
+
+
+def injected_offset_at(clock: dict, epoch_ns: int, local_ns: int) -> float:
+    """The simulated clock's offset (local minus true time) when it read `local_ns`: the
+    injected offset plus the drift accumulated since `epoch_ns` (tracer/clock.py)."""
+    true_ns = local_ns - clock["offset_ns"]
+    return clock["offset_ns"] + clock["drift_ppm"] * 1e-6 * (true_ns - epoch_ns)

@@ -23,7 +23,7 @@ CLOCKS = (SimClock(120_000_000, 25.0), SimClock(-80_000_000, -40.0), SimClock(31
           SimClock(-45_000_000, 60.0))
 def run(workers: Workers, say) -> dict:
     say(f"ddp: {RANKS} gloo ranks on CPU train an MLP for {STEPS} steps, each rank its own clock; "
-        f"trainer-{STRAGGLER_RANK} is made a straggler ({STRAGGLE_MS} ms sleep before backward, every step)")
+        f"trainer-{STRAGGLER_RANK} is made a straggler ({STRAGGLE_MS} ms sleep at the end of its forward, every step)")
     workers.run_ranks("crosstrace.demo.ddp", "demo-ddp", "trainer", CLOCKS,
               ["--steps", str(STEPS), "--straggler-rank", str(STRAGGLER_RANK), "--straggle-ms", str(STRAGGLE_MS)])
     return {"workload": "ddp", "ranks": RANKS, "steps": STEPS, "straggler_rank": STRAGGLER_RANK,

@@ -33,7 +33,9 @@ class Workers:
                 "CROSSTRACE_CLOCK_PROBE_INTERVAL_S": "1", **extra}
 
     def start(self, args: list[str], env: dict, wait_listening: bool = False, timeout_s: float = 60) -> str | None:
-        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True)
+        # A session of its own: Ctrl-C in the terminal reaches the demo alone, which stops its workers.
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
         self.procs.append(proc)
         if not wait_listening:
             return None
