@@ -142,7 +142,7 @@ def _cut(model: ClockModel, t: np.ndarray, value: np.ndarray, upper: bool):
 # -- step 2: a correction that leaves no violation -------------------------------------------------
 
 def _correct(models: list[ClockModel], facts: Precedence) -> list[ClockModel]:
-    knots = _Knots(facts)
+    knots = _Knots(facts, len(models))
     gap = gaps(models, facts).astype(np.float64) - MARGIN_NS
     # x_vb - x_va <= gap for every pair of knots around a and b (then it holds for any
     # interpolation between them).
@@ -177,10 +177,10 @@ def _correct(models: list[ClockModel], facts: Precedence) -> list[ClockModel]:
 
 
 class _Knots:
-    """Knots of each node's correction, numbered node after node, over its facts' times."""
+    """Knots of each node's correction, numbered node after node, over its facts' times.
+    Every model gets a slot, an empty one for a node in no fact (one outside the job)."""
 
-    def __init__(self, facts: Precedence):
-        n_nodes = int(max(facts.node_a.max(), facts.node_b.max())) + 1
+    def __init__(self, facts: Precedence, n_nodes: int):
         nodes = np.concatenate([facts.node_a, facts.node_b])
         times = np.concatenate([facts.t_a, facts.t_b])
         self.start = np.zeros(n_nodes, dtype=np.int64)

@@ -57,9 +57,16 @@ class Matches:
 
 
 def intern(keys: list) -> np.ndarray:
-    """Dense int ids for hashable keys (equal keys, equal ids; None stays -1)."""
+    """Dense int ids for keys (equal keys, equal ids; None stays -1, and so does a key that
+    holds a list or an object, which a client may send as a join attribute: no key)."""
     ids: dict = {}
-    return np.array([-1 if k is None else ids.setdefault(k, len(ids)) for k in keys], dtype=np.int64)
+    out = np.empty(len(keys), dtype=np.int64)
+    for i, k in enumerate(keys):
+        try:
+            out[i] = -1 if k is None else ids.setdefault(k, len(ids))
+        except TypeError:
+            out[i] = -1
+    return out
 
 
 def occurrence(ids: np.ndarray) -> np.ndarray:

@@ -10,12 +10,14 @@ import collections
 import concurrent.futures
 import logging
 import queue
+import socket
 import threading
 import time
 
 import grpc
 
 from ..proto import pb
+from ..proto.endpoint import split_host_port
 from .columns import BadBatch
 from .ingest import CheckedBatch, TooLarge, check, decode
 from .otlp import OtlpService
@@ -160,6 +162,18 @@ class CollectorService:
         })
 
 
+def _bind_error(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be bound, as the OS says it (gRPC's error does not say):
+    found by binding a plain socket there."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 class Collector:
     """A running collector: gRPC server + store. `port` is the bound port."""
 
@@ -169,6 +183,7 @@ class Collector:
         """`credentials`: TLS (collector.security.server_credentials); `tokens`: bearer token per
         client, required on every call when given; `forward`: relay mode (collector.relay);
         `now`: the clock that answers clock probes (a relay's, simulated in tests)."""
+        host, port = split_host_port(listen)    # before the store: a bad address creates nothing
         self.store = Store(store_path, sync=sync)
         self.service = CollectorService(self.store, forward, now)
         self.server = grpc.server(
@@ -190,7 +205,7 @@ class Collector:
                 self.port = self.server.add_secure_port(listen, credentials)
         except RuntimeError as exc:
             self.store.close()
-            raise OSError(f"cannot listen on {listen}: {exc}") from None
+            raise OSError(f"cannot listen on {listen}: {_bind_error(host, port) or exc}") from None
         host = listen.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
         self.udp_clock = UdpClockResponder(host, self.port, now)   # the same clock as the gRPC exchange

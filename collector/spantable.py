@@ -125,13 +125,34 @@ def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.R
 
 
 def load(store, trace_ids: list[str] | None = None) -> SpanTable:
-    """Spans of the whole store, or of the given traces (32-hex ids)."""
-    keys = None
-    if trace_ids is not None:
-        keys = [(int(t[:16], 16), int(t[16:], 16)) for t in trace_ids]
-    table = build(list(store.segments(keys)), store.nodes())
-    if keys is not None and len(table):
-        wanted = np.zeros(len(table.trace_ids), dtype=bool)
-        wanted[[i for i, t in enumerate(table.trace_ids) if t in set(trace_ids)]] = True
-        table = table.take(wanted[table.trace])
-    return table
+    """Spans of the whole store, or of the traces the given ids name: each a hex prefix of
+    one trace id, in any case (reports show 16 digits); one that names no trace or more than
+    one is a ValueError."""
+    if trace_ids is None:
+        return build(list(store.segments()), store.nodes())
+    prefixes = [_prefix(t) for t in trace_ids]
+    table = build(list(store.segments(prefixes)), store.nodes())
+    wanted = np.zeros(len(table.trace_ids), dtype=bool)
+    for text, prefix in zip(trace_ids, prefixes):
+        found = [i for i, t in enumerate(table.trace_ids) if t.startswith(prefix)]
+        if not found:
+            raise ValueError(f"no trace id starts with {text!r}")
+        if len(found) > 1:
+            shown = ", ".join(table.trace_ids[i] for i in found[:3]) + (", ..." if len(found) > 3 else "")
+            raise ValueError(f"trace id {text!r} is ambiguous: {len(found)} traces start with it ({shown})")
+        wanted[found] = True
+    # Segments hold other traces too: keep only the named ones, renumbered, so that the
+    # table's traces are these.
+    keep = np.flatnonzero(wanted)
+    renumber = np.zeros(len(wanted), dtype=np.int32)
+    renumber[keep] = np.arange(len(keep), dtype=np.int32)
+    rows = wanted[table.trace]
+    return dataclasses.replace(table.take(rows), trace=renumber[table.trace[rows]],
+                               trace_ids=[table.trace_ids[i] for i in keep])
+
+
+def _prefix(text: str) -> str:
+    prefix = text.strip().lower()
+    if not 0 < len(prefix) <= 32 or any(c not in "0123456789abcdef" for c in prefix):
+        raise ValueError(f"{text!r} is not a trace id: expected up to 32 hex digits")
+    return prefix

@@ -17,6 +17,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 
@@ -57,20 +58,47 @@ class WriteResult:
     duplicates: int
 
 
+def _readonly_uri(path: str) -> str:
+    """A read-only connection's URI. A store in a directory this process cannot write (a
+    read-only copy) cannot get the -shm file that WAL readers share: it is read as immutable,
+    which misses nothing as long as no -wal file holds commits."""
+    path = os.path.abspath(path)
+    wal = f"{path}-wal"
+    immutable = (not os.access(os.path.dirname(path), os.W_OK) and not os.path.exists(f"{path}-shm")
+                 and not (os.path.exists(wal) and os.path.getsize(wal)))
+    return f"file:{urllib.parse.quote(path)}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
 class Store:
     """Opened by the collector for writing, and by the CLI (`readonly=True`) for reports."""
 
     def __init__(self, path: str, readonly: bool = False, sync: str = "normal", window: int = 8_000_000):
         self.path = path
         self.readonly = readonly
-        if readonly:
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"no crosstrace store at {path}")
-            self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
-                                      isolation_level=None)
-        else:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory, not a crosstrace store")
+        if readonly and not os.path.exists(path):
+            raise FileNotFoundError(f"no crosstrace store at {path}")
+        if not readonly:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            self._open(sync)
+        except sqlite3.DatabaseError as exc:    # OperationalError too
+            raise ValueError(self._cannot_open(exc)) from None
+        self._lock = threading.Lock()
+        self._node_ids: dict[str, int] = {}
+        self.recent = RecentKeys(window)
+        if not readonly:
+            self._load_recent_keys()
+
+    def _open(self, sync: str) -> None:
+        if self.readonly:
+            self.db = sqlite3.connect(_readonly_uri(self.path), uri=True, check_same_thread=False,
+                                      isolation_level=None)
+            self._check_kind()
+        else:
+            self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._check_kind()
             # Large pages for a store of large segment blobs: a 660 KB segment commits in 1.2 ms
             # instead of 2.7 (a new store only; an existing one keeps its page size).
             self.db.execute("PRAGMA page_size=65536")
@@ -80,11 +108,30 @@ class Store:
             self.db.executescript(_SCHEMA)
             self._init_meta()
         self.db.execute("PRAGMA cache_size=-131072")
-        self._lock = threading.Lock()
-        self._node_ids: dict[str, int] = {}
-        self.recent = RecentKeys(window)
-        if not readonly:
-            self._load_recent_keys()
+
+    def _check_kind(self) -> None:
+        """Refuse what is not a store of this version before anything is written to it:
+        another program's SQLite database, or (to read) an empty one."""
+        tables = {name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "meta" not in tables:
+            if tables:
+                raise ValueError(f"{self.path} is an SQLite database but not a crosstrace store")
+            if self.readonly:
+                raise ValueError(f"{self.path} is empty, not a crosstrace store")
+            return
+        version = self.meta("schema_version")
+        if version != str(SCHEMA_VERSION):
+            raise ValueError(f"store {self.path} has schema version {version}; this crosstrace "
+                             f"reads version {SCHEMA_VERSION}")
+
+    def _cannot_open(self, exc: sqlite3.DatabaseError) -> str:
+        """One line on what is wrong with the path: SQLite's reason, and a directory or
+        file that cannot be written where that is the likely cause."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        for p in (folder,) if self.readonly else (folder, self.path):
+            if isinstance(exc, sqlite3.OperationalError) and os.path.exists(p) and not os.access(p, os.W_OK):
+                return f"cannot open the store {self.path}: {exc} ({p} is not writable)"
+        return f"cannot read {self.path} as a crosstrace store: {exc}"
 
     def close(self) -> None:
         self.db.close()
@@ -102,10 +149,6 @@ class Store:
                 "epoch_offset_ns": str(time.time_ns() - time.monotonic_ns()),
                 "created_ns": str(time.time_ns())}
         self.db.executemany("INSERT OR IGNORE INTO meta VALUES (?, ?)", meta.items())
-        version = int(self.meta("schema_version"))
-        if version != SCHEMA_VERSION:
-            raise RuntimeError(f"store {self.path} has schema version {version}; this crosstrace "
-                               f"reads version {SCHEMA_VERSION}")
 
     def meta(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -225,15 +268,19 @@ class Store:
     def nodes(self) -> dict[int, "pb.Resource"]:
         return {row[0]: pb.Resource.FromString(row[1]) for row in self.db.execute("SELECT id, resource FROM nodes")}
 
-    def segments(self, trace_keys: list[tuple[int, int]] | None = None):
-        """Yield (node, SpanBatch) for every stored segment, or those holding the given traces."""
-        if trace_keys is None:
+    def segments(self, trace_prefixes: list[str] | None = None):
+        """Yield (node, SpanBatch) for every stored segment, or those that may hold a trace
+        whose id starts with one of these lowercase hex prefixes (a segment lists the high
+        halves of its trace ids only)."""
+        if trace_prefixes is None:
             for node, data in self.db.execute("SELECT node, data FROM segments ORDER BY id"):
                 yield node, pb.SpanBatch.FromString(data)
             return
-        wanted = np.array(sorted({h for h, _ in trace_keys}), dtype="<u8")
+        # The prefix's first 16 digits, as a value of the high half shifted right.
+        heads = [(np.uint64(4 * (16 - len(p[:16]))), np.uint64(int(p[:16], 16))) for p in trace_prefixes]
         for seg_id, traces in self.db.execute("SELECT id, traces FROM segments ORDER BY id").fetchall():
-            if np.isin(wanted, np.frombuffer(traces, "<u8")).any():
+            his = np.frombuffer(traces, "<u8")
+            if any(np.any((his >> shift) == value) for shift, value in heads):
                 node, data = self.db.execute("SELECT node, data FROM segments WHERE id = ?", (seg_id,)).fetchone()
                 yield node, pb.SpanBatch.FromString(data)
 

@@ -10,6 +10,8 @@ def split_host_port(endpoint: str) -> tuple[str, int]:
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {endpoint!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {int(port)} is out of range (0-65535) in {endpoint!r}")
     return host.strip("[]"), int(port)
 
 

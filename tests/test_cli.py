@@ -2,22 +2,35 @@
 import json
 import os
 import re
+import shutil
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from crosstrace.demo import injected_offset_at
 
 from .conftest import run_python, tracer_env
+from .test_collector_input import batch, export
 
 
-def crosstrace(*args, timeout=300, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "crosstrace", *args], capture_output=True, text=True,
+def crosstrace(*args, timeout=300, cwd=None, run_as=()) -> subprocess.CompletedProcess:
+    return subprocess.run([*run_as, sys.executable, "-m", "crosstrace", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
+
+
+def one_line_error(result, *words) -> bool:
+    """Exit 2 with an error line that has `words`, after progress lines at most."""
+    lines = result.stderr.strip().splitlines()
+    return (result.returncode == 2 and lines[-1].startswith("crosstrace: error:") and all(w in lines[-1] for w in words)
+            and all(line.startswith("crosstrace: ") for line in lines))
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +160,114 @@ def test_a_terminated_demo_stops_its_collector_and_workers(tmp_path):
     finally:
         killer.cancel()
         demo.kill()
+
+
+# Traces A and B share their high half (segments are found by it), C differs from the 4th digit.
+TRACES = [(0xabcd000000000001, 0x1000000000000000), (0xabcd000000000001, 0x2000000000000000),
+          (0xabce000000000000, 0x3000000000000000)]
+BIG = 1 << 70   # beyond 64 bits: JSON allows it, orjson does not write it
+
+
+@pytest.fixture
+def three_traces(collector):
+    """A store with two spans in each trace of TRACES, one of them with a BIG attribute."""
+    hi, lo = (np.repeat(np.array(half, dtype="<u8"), 2) for half in zip(*TRACES))
+    attributes = b'[{"big": %d}' % BIG + b",null" * 5 + b"]"
+    acks, err = export(collector.address, [batch(6, trace_id_hi=hi, trace_id_lo=lo,
+                                                 attributes_json=attributes).SerializeToString()])
+    assert err is None and acks[0].accepted == 6
+    return collector.store
+
+
+def test_trace_takes_any_unique_prefix_in_any_case(three_traces):
+    report = crosstrace("report", "--store", three_traces, "--trace", "ABCE", "--json", "-")
+    assert report.returncode == 0, report.stderr
+    assert [t["trace_id"] for t in json.loads(report.stdout)["traces"]] == ["abce" + "0" * 12 + "3" + "0" * 15]
+    shown = "abcd000000000001"   # what the terminal shows: 16 digits, here the high half of A and B
+    result = crosstrace("report", "--store", three_traces, "--trace", shown + "2")
+    assert result.returncode == 0, result.stderr
+    assert "loaded 2 spans in 1 traces" in result.stderr
+    assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", shown), shown, "ambiguous")
+    assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "ffff"), "'ffff'")
+    assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "xyz"), "'xyz'")
+    export_ = crosstrace("export", "--store", three_traces, "--trace", "abce", "--jsonl", "-")
+    assert export_.returncode == 0 and len(export_.stdout.splitlines()) == 2, export_.stderr
+    assert one_line_error(crosstrace("export", "--store", three_traces, "--trace", "ab", "--jsonl", "-"), "'ab'")
+
+
+def test_export_to_stdout_keeps_integers_beyond_64_bits(three_traces, tmp_path):
+    result = crosstrace("export", "--store", three_traces, "--jsonl", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 6 and [r["attributes"].get("big") for r in rows].count(BIG) == 1
+    assert "wrote 6 spans to stdout" in result.stderr
+    result = crosstrace("export", "--store", three_traces, "--perfetto", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    spans = [e for e in json.loads(result.stdout)["traceEvents"] if e["ph"] == "X" and "span_id" in e["args"]]
+    assert [e["args"].get("attributes", {}).get("big") for e in spans].count(BIG) == 1
+    assert not os.path.exists(tmp_path / "-")
+
+
+def test_paths_that_are_not_stores_are_one_line_errors(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a store\n")
+    (tmp_path / "empty.db").touch()
+    (tmp_path / "folder").mkdir()
+    with sqlite3.connect(tmp_path / "other.db") as other:
+        other.execute("CREATE TABLE t (x)")
+    budget = tmp_path / "b.toml"
+    budget.write_text('[[budget]]\nmax = "1s"\n')
+    for name, what in (("notes.txt", "not a database"), ("empty.db", "empty"), ("folder", "directory"),
+                       ("other.db", "not a crosstrace store")):
+        path = str(tmp_path / name)
+        for command in (["report"], ["clocks"], ["export", "--jsonl", "-"],
+                        ["budget", "check", "--budget", str(budget)]):
+            assert one_line_error(crosstrace(*command, "--store", path), path, what), (command, name)
+        if name != "empty.db":   # a collector makes an empty file a store
+            assert one_line_error(crosstrace("collector", "--listen", "127.0.0.1:0", "--store", path), path, what)
+    with sqlite3.connect(tmp_path / "other.db") as other:   # the collector left it alone
+        assert other.execute("SELECT name FROM sqlite_master").fetchall() == [("t",)]
+
+
+def test_reading_commands_read_a_read_only_copy(three_traces):
+    run_as = ()
+    if os.geteuid() == 0:   # root writes anywhere: run the commands as nobody
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root, without setpriv to run as another user")
+        run_as = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    folder = tempfile.mkdtemp(prefix="crosstrace-ro-")
+    try:
+        copy = os.path.join(folder, "store.db")
+        with sqlite3.connect(three_traces) as source, sqlite3.connect(copy) as target:
+            source.backup(target)
+        os.chmod(copy, 0o444)
+        os.chmod(folder, 0o555)
+        result = crosstrace("export", "--store", copy, "--jsonl", "-", run_as=run_as)
+        assert result.returncode == 0 and len(result.stdout.splitlines()) == 6, result.stderr
+        result = crosstrace("clocks", "--store", copy, "--json", run_as=run_as)
+        assert result.returncode == 0 and "raw" in json.loads(result.stdout)["clocks"], result.stderr
+        result = crosstrace("collector", "--listen", "127.0.0.1:0", "--store", copy, run_as=run_as)
+        assert one_line_error(result, copy, "not writable")
+        assert os.listdir(folder) == ["store.db"]
+    finally:
+        os.chmod(folder, 0o755)
+        shutil.rmtree(folder)
+
+
+def test_collector_listen_address_is_checked(tmp_path):
+    store = str(tmp_path / "store.db")
+    for listen, words in (("127.0.0.1:99999", ["99999", "out of range"]), ("127.0.0.1:-5", ["HOST:PORT"]),
+                          ("localhost", ["HOST:PORT", "'localhost'"]), ("127.0.0.1:", ["HOST:PORT"])):
+        assert one_line_error(crosstrace("collector", "--listen", listen, "--store", store), *words), listen
+    assert not os.path.exists(store)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = crosstrace("collector", "--listen", listen, "--store", store)
+    assert result.returncode == 2 and f"crosstrace: error: cannot listen on {listen}: Address already in use" \
+        in result.stderr
+
+
+def test_report_limit_must_be_positive(tmp_path):
+    result = crosstrace("report", "--store", str(tmp_path / "s.db"), "--limit", "-1")
+    assert result.returncode == 2 and "argument --limit: must be 1 or more, got -1" in result.stderr

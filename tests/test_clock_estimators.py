@@ -226,6 +226,15 @@ def test_contradictory_facts_are_reported_as_violations():
     assert all("causality_cycle" in m.flags for m in refined.models)
 
 
+def test_a_node_in_no_fact_keeps_its_model():
+    """A node after the job's nodes (another job's, say) takes part in no fact."""
+    _, models, facts = _rpc_world()
+    lone = models[0]
+    refined = causal.refine(models + [lone], facts)
+    assert len(refined.violations) == 0
+    assert refined.models[2] is lone
+
+
 def test_parse_ntp_server():
     from crosstrace.clock_sync.ntp import parse_server
     assert parse_server("pool.ntp.org") == ("pool.ntp.org", 123)

@@ -214,3 +214,46 @@ def test_empty_batch_with_clock_samples_only(collector, count):
     store = Store(collector.store, readonly=True)
     assert len(store.clock_samples()) == 1
     store.close()
+
+
+def test_accepted_spans_of_any_shape_leave_report_and_exports_working(collector, tmp_path):
+    """The collector keeps attributes and extras as a client sent them (valid JSON): join keys
+    that are lists or objects, nesting and strings orjson cannot write, events and links of
+    the wrong shape. None of it may stop a report or an export of the whole store."""
+    import concurrent.futures
+    import json
+    import subprocess
+    import sys
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+
+    from .test_otlp import Receiver
+
+    attributes = [{"collective.group": [1], "collective.seq": 1}, {"p2p.src": [0], "p2p.dst": 1, "p2p.seq": 0},
+                  {"collective.group": "g", "collective.seq": {"x": 1}}, {"big": 1 << 70}]
+    raw = b"[" + b",".join(json.dumps(a).encode() for a in attributes) + b',{"s":"\\ud800","deep":' \
+        + b'{"a":' * 300 + b"1" + b"}" * 300 + b"}]"
+    extras = [[0, {"events": "nope"}], [1, {"events": [["e", "not a time", None]], "links": [["zz", "yy", None]]}],
+              [2, {"status_message": {"a": 1}, "links": "no"}]]
+    b = batch(5, kind=np.array([2, 3, 2, 1, 1], "u1"), status=np.array([0, 0, 2, 0, 0], "u1"))
+    b.attributes_json, b.extras_json = raw, json.dumps(extras).encode()
+    for t in (10**9, 2 * 10**9):   # the node's clock model, without which an OTLP export leaves it out
+        b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t, t2=t + 100, t3=t + 200, t4=t + 300))
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err is None and acks[0].accepted == 5
+
+    receiver = Receiver()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    otlp_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for args in (["report"], ["export", "--jsonl", str(tmp_path / "s.jsonl"), "--perfetto", str(tmp_path / "p.json"),
+                                  "--otlp", f"127.0.0.1:{port}"]):
+            out = subprocess.run([sys.executable, "-m", "crosstrace", *args, "--store", collector.store],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+    finally:
+        server.stop(0)
+    assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 5
+    assert sum(len(s.spans) for r in receiver.requests for rs in r.resource_spans for s in rs.scope_spans) == 5

@@ -1,15 +1,16 @@
 """Every span as one JSON object per line, on the aligned timeline (for pandas & co)."""
-import orjson
-
 from ...proto.semconv import Kind
+from ..columns import dumps
+from . import open_output
 
 
 def write(path: str, analysed) -> int:
+    """Write the spans to `path` ('-': stdout); returns how many."""
     t, al = analysed.table, analysed.alignment
     kinds = {k.value: k.name for k in Kind}
-    with open(path, "wb") as out:
+    with open_output(path) as out:
         for i in range(len(t)):
-            out.write(orjson.dumps({
+            out.write(dumps({
                 "trace_id": t.trace_ids[t.trace[i]],
                 "span_id": f"{int(t.span_id[i]):016x}",
                 "parent_span_id": f"{int(t.parent_id[i]):016x}" if t.parent_id[i] else None,
@@ -21,5 +22,5 @@ def write(path: str, analysed) -> int:
                 "end_ns": int(al.end[i]),
                 "error_bound_ns": int(al.error[i]),
                 "attributes": t.attributes[i] or {},
-            }, option=orjson.OPT_APPEND_NEWLINE))
+            }) + b"\n")
     return len(t)

@@ -34,23 +34,33 @@ class ExportResult:
     requests: int = 0
 
 
-def any_value(value) -> "common_pb2.AnyValue":
+_MAX_DEPTH = 16   # deeper values (a client's) travel as their text: protobuf decoders stop at ~100 messages deep
+
+
+def any_value(value, depth: int = 0) -> "common_pb2.AnyValue":
     if isinstance(value, bool):
         return common_pb2.AnyValue(bool_value=value)
     if isinstance(value, int) and -(1 << 63) <= value < 1 << 63:
         return common_pb2.AnyValue(int_value=value)
     if isinstance(value, float):
         return common_pb2.AnyValue(double_value=value)
-    if isinstance(value, (list, tuple)):
-        return common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[any_value(v) for v in value]))
-    if isinstance(value, dict):
-        return common_pb2.AnyValue(kvlist_value=common_pb2.KeyValueList(values=key_values(value)))
-    return common_pb2.AnyValue(string_value=str(value))
+    if isinstance(value, (list, tuple)) and depth < _MAX_DEPTH:
+        return common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[any_value(v, depth + 1) for v in value]))
+    if isinstance(value, dict) and depth < _MAX_DEPTH:
+        return common_pb2.AnyValue(kvlist_value=common_pb2.KeyValueList(values=key_values(value, depth + 1)))
+    return common_pb2.AnyValue(string_value=text(value))
 
 
-def key_values(attributes: dict | None) -> list:
-    return [common_pb2.KeyValue(key=str(k), value=any_value(v)) for k, v in (attributes or {}).items()
+def key_values(attributes: dict | None, depth: int = 0) -> list:
+    return [common_pb2.KeyValue(key=text(k), value=any_value(v, depth)) for k, v in (attributes or {}).items()
             if v is not None]
+
+
+def text(value) -> str:
+    """str(value) as protobuf can send it: valid UTF-8 (a lone surrogate, which JSON lets a
+    client send, becomes '?')."""
+    value = str(value)
+    return value if value.isascii() else value.encode("utf-8", "replace").decode("utf-8")
 
 
 def resource(r) -> "resource_pb2.Resource":
@@ -116,22 +126,42 @@ def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span"
         trace_id=(int(t.trace_hi[row]) << 64 | int(t.trace_lo[row])).to_bytes(16, "big"),
         span_id=int(t.span_id[row]).to_bytes(8, "big"),
         parent_span_id=int(t.parent_id[row]).to_bytes(8, "big") if t.parent_id[row] else b"",
-        name=t.names[t.name[row]], kind=_OTEL_KIND.get(kind, trace_pb2.Span.SPAN_KIND_INTERNAL),
+        name=text(t.names[t.name[row]]), kind=_OTEL_KIND.get(kind, trace_pb2.Span.SPAN_KIND_INTERNAL),
         start_time_unix_nano=max(start, 0), end_time_unix_nano=max(end, 0), attributes=key_values(attrs))
     status = int(t.status[row])
     if status:
         span.status.code = status          # crosstrace's 1 ok / 2 error are OTLP's codes
         if extra.get("status_message"):
-            span.status.message = str(extra["status_message"])
-    for name, when, event_attrs in extra.get("events", ()):
-        span.events.add(name=str(name), time_unix_nano=max(event_time(when), 0),
-                        attributes=key_values(event_attrs))
+            span.status.message = text(extra["status_message"])
     if extra.get("trace_state"):
-        span.trace_state = str(extra["trace_state"])
-    for trace_hex, span_hex, link_attrs, *trace_state in extra.get("links", ()):
+        span.trace_state = text(extra["trace_state"])
+    for name, when, event_attrs in _entries(extra, "events", 3):
+        span.events.add(name=text(name), time_unix_nano=max(event_time(when), 0),
+                        attributes=key_values(event_attrs))
+    for trace_hex, span_hex, link_attrs, *trace_state in _entries(extra, "links", 3):
         span.links.add(trace_id=bytes.fromhex(trace_hex), span_id=bytes.fromhex(span_hex),
-                       attributes=key_values(link_attrs), trace_state=str(trace_state[0]) if trace_state else "")
+                       attributes=key_values(link_attrs), trace_state=text(trace_state[0]) if trace_state else "")
     return span
+
+
+def _entries(extra: dict, key: str, width: int) -> list:
+    """The events or links of a span's extras that have their shape; the collector stores a
+    client's extras as sent, and one malformed entry must not stop an export."""
+    entries = extra.get(key)
+    if not isinstance(entries, list):
+        return []
+    return [e for e in entries if isinstance(e, list) and len(e) >= width and _well_formed(key, e)]
+
+
+def _well_formed(key: str, entry: list) -> bool:
+    if not (entry[2] is None or isinstance(entry[2], dict)):
+        return False
+    if key == "events":
+        return type(entry[1]) is int and abs(entry[1]) < 1 << 62
+    try:
+        return len(bytes.fromhex(entry[0])) == 16 and len(bytes.fromhex(entry[1])) == 8
+    except (TypeError, ValueError):
+        return False
 
 
 def channel(endpoint: str, ca: str | None = None) -> grpc.Channel:

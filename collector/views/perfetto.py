@@ -10,11 +10,12 @@ Times are microseconds from the earliest span (the reference time of that instan
 otherData.crosstrace.t0_ns).
 """
 import numpy as np
-import orjson
 
 from ...proto.semconv import Kind
 from .. import attribution
+from ..columns import dumps
 from ..dag import Edge, dense
+from . import open_output
 
 _KINDS = {k.value: k.name.lower() for k in Kind}
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
@@ -127,8 +128,8 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
 
 
 def write(path: str, analysed, attributed=None) -> int:
-    """Write the JSON file; returns the number of spans in it."""
+    """Write the JSON file ('-': stdout); returns the number of spans in it."""
     doc = trace_events(analysed, attributed)
-    with open(path, "wb") as out:
-        out.write(orjson.dumps(doc))
+    with open_output(path) as out:
+        out.write(dumps(doc))
     return len(analysed.table)

@@ -41,7 +41,8 @@ def register(sub) -> None:
                                   epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     check.add_argument("--budget", required=True, metavar="FILE", help="budget file (TOML, see below)")
-    check.add_argument("--trace", action="append", metavar="TRACE_ID", help="only this trace (repeatable)")
+    check.add_argument("--trace", action="append", metavar="TRACE_ID",
+                       help="only this trace: its id or a unique prefix, any case (repeatable)")
     check.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
     check.set_defaults(func=run_check)
 

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ..collector.views import terminal
 from ..demo import WORKLOADS
+from .report import positive
 
 
 def register(sub) -> None:
@@ -15,21 +16,11 @@ def register(sub) -> None:
                        description="Start a collector and traced worker processes with different simulated "
                                    "clocks on this machine, then analyse what they recorded.")
     p.add_argument("--out", default="crosstrace-demo", help="output folder (default ./%(default)s)")
-    p.add_argument("--requests", type=_positive, default=20, help="requests in the RPC workload (default %(default)s)")
+    p.add_argument("--requests", type=positive, default=20, help="requests in the RPC workload (default %(default)s)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), type=_workloads,
                    help="comma-separated, from: " + "; ".join(f"{name} ({what})" for name, (_, _, what)
                                                                in WORKLOADS.items()) + " (default: all)")
     p.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _workloads(text: str) -> list[str]:

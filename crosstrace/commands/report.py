@@ -1,4 +1,5 @@
 """`crosstrace report` and `crosstrace export`: read a store, analyse, write views."""
+import argparse
 import json
 import sys
 
@@ -13,8 +14,9 @@ def register(sub) -> None:
                                    "latency; print a summary, and write the JSON report with --json.")
     p.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     p.add_argument("--json", metavar="FILE", help="write the machine-readable report here ('-' for stdout)")
-    p.add_argument("--trace", action="append", metavar="TRACE_ID", help="only this trace (repeatable)")
-    p.add_argument("--limit", type=int, default=10, help="traces shown in the terminal (default %(default)s)")
+    p.add_argument("--trace", action="append", metavar="TRACE_ID",
+                   help="only this trace: its id or a unique prefix, any case (repeatable)")
+    p.add_argument("--limit", type=positive, default=10, help="traces shown in the terminal (default %(default)s)")
     p.add_argument("--html", metavar="FILE",
                    help="write one self-contained HTML page: timelines of the slowest and a typical trace "
                         "(nodes as lanes, critical path highlighted), attribution per trace and per rank, budgets")
@@ -27,12 +29,12 @@ def register(sub) -> None:
                        description="Export the store's spans, mapped onto the aligned timeline.")
     p.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     p.add_argument("--jsonl", metavar="FILE",
-                   help="one JSON object per span: trace_id, span_id, parent_span_id, name, kind, node_id, "
-                        "rank, start_ns, end_ns, error_bound_ns, attributes")
+                   help="one JSON object per span ('-' for stdout): trace_id, span_id, parent_span_id, name, "
+                        "kind, node_id, rank, start_ns, end_ns, error_bound_ns, attributes")
     p.add_argument("--perfetto", metavar="FILE",
-                   help="Chrome trace-event JSON for Perfetto UI (ui.perfetto.dev) or chrome://tracing: one "
-                        "process per node, flow arrows for send/recv, RPCs and collective joins, and a "
-                        "critical-path track")
+                   help="Chrome trace-event JSON ('-' for stdout) for Perfetto UI (ui.perfetto.dev) or "
+                        "chrome://tracing: one process per node, flow arrows for send/recv, RPCs and collective "
+                        "joins, and a critical-path track")
     p.add_argument("--otlp", metavar="ENDPOINT",
                    help="send the spans to an OTLP/gRPC backend (OpenTelemetry Collector, Jaeger, Tempo): "
                         "host:port or http://host:port in plaintext, https://host:port over TLS; times are "
@@ -40,7 +42,8 @@ def register(sub) -> None:
     p.add_argument("--otlp-header", action="append", default=[], metavar="KEY=VALUE",
                    help="metadata on every OTLP request, e.g. 'authorization=Bearer T' (repeatable)")
     p.add_argument("--otlp-ca", metavar="PEM", help="CA bundle that signed the https:// backend's certificate")
-    p.add_argument("--trace", action="append", metavar="TRACE_ID", help="only this trace (repeatable)")
+    p.add_argument("--trace", action="append", metavar="TRACE_ID",
+                   help="only this trace: its id or a unique prefix, any case (repeatable)")
     p.set_defaults(func=run_export)
 
 
@@ -96,6 +99,8 @@ def run_export(args) -> int:
 
     if not (args.jsonl or args.perfetto or args.otlp):
         raise ValueError("nothing to export: give --jsonl FILE, --perfetto FILE and/or --otlp ENDPOINT")
+    if args.jsonl == args.perfetto == "-":
+        raise ValueError("--jsonl and --perfetto cannot both go to stdout ('-')")
     headers = [_header(h) for h in args.otlp_header]
     store = Store(args.store, readonly=True)
     try:
@@ -104,13 +109,25 @@ def run_export(args) -> int:
         store.close()
     if args.jsonl:
         n = jsonl.write(args.jsonl, analysed)
-        progress(f"wrote {n:,} spans to {args.jsonl}")
+        progress(f"wrote {n:,} spans to {_shown(args.jsonl)}")
     if args.perfetto:
         n = perfetto.write(args.perfetto, analysed)
-        progress(f"wrote {n:,} spans to {args.perfetto} (open it in ui.perfetto.dev or chrome://tracing)")
+        progress(f"wrote {n:,} spans to {_shown(args.perfetto)} (open it in ui.perfetto.dev or chrome://tracing)")
     if args.otlp:
         export_otlp(args.otlp, analysed, headers, args.otlp_ca)
     return 0
+
+
+def _shown(path: str) -> str:
+    return "stdout" if path == "-" else path
+
+
+def positive(text: str) -> int:
+    """argparse type of a count of at least 1 (its name is in argparse's message on a non-number)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _header(text: str) -> tuple[str, str]:
