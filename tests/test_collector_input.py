@@ -220,14 +220,11 @@ def test_accepted_spans_of_any_shape_leave_report_and_exports_working(collector,
     """The collector keeps attributes and extras as a client sent them (valid JSON): join keys
     that are lists or objects, nesting and strings orjson cannot write, events and links of
     the wrong shape. None of it may stop a report or an export of the whole store."""
-    import concurrent.futures
     import json
     import subprocess
     import sys
 
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
-
-    from .test_otlp import Receiver
+    from .test_otlp import receiving
 
     attributes = [{"collective.group": [1], "collective.seq": 1}, {"p2p.src": [0], "p2p.dst": 1, "p2p.seq": 0},
                   {"collective.group": "g", "collective.seq": {"x": 1}}, {"big": 1 << 70}]
@@ -242,18 +239,11 @@ def test_accepted_spans_of_any_shape_leave_report_and_exports_working(collector,
     acks, err = export(collector.address, [b.SerializeToString()])
     assert err is None and acks[0].accepted == 5
 
-    receiver = Receiver()
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
-    otlp_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with receiving() as (receiver, port):
         for args in (["report"], ["export", "--jsonl", str(tmp_path / "s.jsonl"), "--perfetto", str(tmp_path / "p.json"),
                                   "--otlp", f"127.0.0.1:{port}"]):
             out = subprocess.run([sys.executable, "-m", "crosstrace", *args, "--store", collector.store],
                                  capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stderr
-    finally:
-        server.stop(0)
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 5
     assert sum(len(s.spans) for r in receiver.requests for rs in r.resource_spans for s in rs.scope_spans) == 5

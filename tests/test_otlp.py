@@ -2,6 +2,7 @@
 reporting into a crosstrace collector (same port as crosstrace's own service), and
 `crosstrace export --otlp` sending a store to a real OTLP/gRPC receiver."""
 import concurrent.futures
+import contextlib
 import subprocess
 import sys
 
@@ -135,6 +136,20 @@ class Receiver(otlp_grpc.TraceServiceServicer):
         return otlp.ExportTraceServiceResponse()
 
 
+@contextlib.contextmanager
+def receiving():
+    """(Receiver, its port) served on loopback for the block."""
+    receiver = Receiver()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    otlp_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield receiver, port
+    finally:
+        server.stop(0)
+
+
 TRACED = """
 import time, crosstrace
 provider = crosstrace.init()
@@ -154,17 +169,10 @@ def test_export_otlp_sends_aligned_unix_times(collector):
     run_python(TRACED, tracer_env(collector, "ahead", sim_clock_offset_ns=2_500_000_000,
                                   clock_probe_interval_s=0.1), timeout=60)
     sdk_truth = {s.context.span_id: s for s in sdk_spans(collector.address)}
-    receiver = Receiver()
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
-    otlp_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with receiving() as (receiver, port):
         out = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", collector.store,
                               "--otlp", f"127.0.0.1:{port}", "--otlp-header", "authorization=Bearer backend-token"],
                              capture_output=True, text=True, timeout=120)
-    finally:
-        server.stop(0)
     assert out.returncode == 0, out.stderr
     assert "sent 13 spans" in out.stderr
     assert {m.get("authorization") for m in receiver.metadata} == {"Bearer backend-token"}
