@@ -26,6 +26,7 @@ from ..proto import pb
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .columns import BadBatch, dumps
+from .ingest import MAX_SPANS_PER_BATCH, TooLarge
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
@@ -130,26 +131,30 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
 
 
 class OtlpService:
-    """TraceService/Export onto a collector's ingest path: `ingest(batch)` checks and stores
-    one batch, returning (CheckedBatch, WriteResult) (CollectorService.ingest)."""
+    """TraceService/Export onto a collector's ingest path (a server.CollectorService): the
+    same checks, store, bound on bytes in flight and counts of whole batches refused."""
 
-    def __init__(self, ingest):
-        self.ingest = ingest
+    def __init__(self, service):
+        self.service = service
 
     def export(self, data: bytes, context):
         try:
             request = otlp.ExportTraceServiceRequest.FromString(data)
         except Exception as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ExportTraceServiceRequest: {exc}")
+            self.service.refuse(BadBatch(f"undecodable ExportTraceServiceRequest: {exc}"), context)
         rejected: collections.Counter = collections.Counter()
-        for resource_spans in request.resource_spans:
-            try:
-                checked, _ = self.ingest(to_batch(resource_spans))
-            except BadBatch as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except Exception as exc:   # not kept: the sender retries
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            rejected.update(checked.rejected)
+        try:
+            with self.service.in_flight.hold(len(data)):
+                for resource_spans in request.resource_spans:
+                    n = sum(len(scope.spans) for scope in resource_spans.scope_spans)
+                    if n > MAX_SPANS_PER_BATCH:   # refused before the spans are converted one by one
+                        raise TooLarge(f"a resource holds {n} spans; at most {MAX_SPANS_PER_BATCH} per request")
+                    checked, _ = self.service.ingest(to_batch(resource_spans))
+                    rejected.update(checked.rejected)
+        except BadBatch as exc:
+            self.service.refuse(exc, context)
+        except Exception as exc:   # not kept: the sender retries
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         response = otlp.ExportTraceServiceResponse()
         if rejected:
             response.partial_success.rejected_spans = sum(rejected.values())

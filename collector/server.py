@@ -8,6 +8,7 @@ groups (one SQLite transaction per group); a batch is acked only after its commi
 """
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import socket
@@ -39,16 +40,26 @@ class Writer:
         self.store = store
         self.max_group = max_group
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._closing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="crosstrace-writer", daemon=True)
         self._thread.start()
 
     def submit(self, checked) -> concurrent.futures.Future:
+        """The batch's WriteResult, once committed; StoreUnavailable once the writer is closed
+        (a batch whose check ended during shutdown: its client retries)."""
         future = concurrent.futures.Future()
-        self._queue.put((checked, future))
+        with self._closing:
+            if self._closed:
+                future.set_exception(StoreUnavailable("the collector is shutting down"))
+            else:
+                self._queue.put((checked, future))
         return future
 
     def close(self, timeout: float = 10.0) -> None:
-        self._queue.put(None)
+        with self._closing:
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -86,7 +97,33 @@ class Writer:
 
 
 class StoreUnavailable(RuntimeError):
-    """A batch could not be made durable (store or relay spool failed); the client retries."""
+    """A batch could not be made durable (store or relay spool failed, or the collector is
+    busy or stopping); the client retries."""
+
+
+class InFlight:
+    """Bounds the bytes of batches being checked and committed at once: a batch takes about
+    ten times its size in memory on its way to the store, and 256 streams of 64 MB batches
+    would take far more than a machine has. A batch waits for room (alone, it always fits),
+    and after `wait_s` its client is told to retry."""
+
+    def __init__(self, limit_bytes: int, wait_s: float = 30.0):
+        self.limit, self.wait_s = limit_bytes, wait_s
+        self.used = 0
+        self._room = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, size: int):
+        with self._room:
+            if not self._room.wait_for(lambda: not self.used or self.used + size <= self.limit, self.wait_s):
+                raise StoreUnavailable(f"the collector is busy with {self.used >> 20} MB of batches; retry")
+            self.used += size
+        try:
+            yield
+        finally:
+            with self._room:
+                self.used -= size
+                self._room.notify_all()
 
 
 class Stats:
@@ -99,9 +136,10 @@ class Stats:
 
 
 class CollectorService:
-    def __init__(self, store: Store, forward=None, now=time.monotonic_ns):
+    def __init__(self, store: Store, forward=None, now=time.monotonic_ns, in_flight_mb: int = 64):
         self.store = store
         self.writer = Writer(store)
+        self.in_flight = InFlight(in_flight_mb << 20)
         self.stats = Stats()
         self.forward = forward      # relay mode: forward(batch) hands it on upstream, durably
         self.now = now              # the clock clock probes are answered from
@@ -125,17 +163,20 @@ class CollectorService:
 
     def export(self, request_iterator, context):
         for data in request_iterator:
-            try:
+            ack = self._ack(data, context)
+            del data   # a stream waiting for its next batch holds nothing of the last one
+            yield ack
+
+    def _ack(self, data: bytes, context) -> "pb.ExportAck":
+        try:
+            with self.in_flight.hold(len(data)):
                 checked, result = self.ingest(decode(data))
-            except BadBatch as exc:
-                reason = "batch_too_large" if isinstance(exc, TooLarge) else "malformed_batch"
-                self._count_whole_reject(reason)
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, TooLarge) else grpc.StatusCode.INVALID_ARGUMENT
-                context.abort(code, str(exc))
-            except StoreUnavailable as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            yield pb.ExportAck(seq=checked.batch.seq, accepted=result.accepted, duplicates=result.duplicates,
-                               rejected=dict(checked.rejected))
+        except BadBatch as exc:
+            self.refuse(exc, context)
+        except StoreUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return pb.ExportAck(seq=checked.batch.seq, accepted=result.accepted, duplicates=result.duplicates,
+                            rejected=dict(checked.rejected))
 
     def exchange_clock(self, data: bytes, context):
         t2 = self.now()
@@ -145,7 +186,13 @@ class CollectorService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ClockProbe: {exc}")
         return pb.ClockProbeReply(t1=probe.t1, t2=t2, t3=self.now()).SerializeToString()
 
-    def _count_whole_reject(self, reason: str) -> None:
+    def refuse(self, exc: BadBatch, context) -> None:
+        """End the call over a batch that cannot be read at all, counted by reason."""
+        too_large = isinstance(exc, TooLarge)
+        self.count_whole_reject("batch_too_large" if too_large else "malformed_batch")
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if too_large else grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def count_whole_reject(self, reason: str) -> None:
         with self.stats.lock:
             self.stats.rejected[reason] += 1
         try:
@@ -177,7 +224,7 @@ def _bind_error(host: str, port: int) -> str | None:
 class Collector:
     """A running collector: gRPC server + store. `port` is the bound port."""
 
-    def __init__(self, store_path: str, listen: str = "127.0.0.1:4327", max_streams: int = 256,
+    def __init__(self, store_path: str, listen: str = "127.0.0.1:4327", max_streams: int = 1024,
                  sync: str = "normal", credentials: grpc.ServerCredentials | None = None,
                  tokens: dict[str, bytes] | None = None, forward=None, now=time.monotonic_ns):
         """`credentials`: TLS (collector.security.server_credentials); `tokens`: bearer token per
@@ -188,7 +235,7 @@ class Collector:
         self.service = CollectorService(self.store, forward, now)
         self.server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="crosstrace-rpc"),
-            handlers=[self.service.handler(), OtlpService(self.service.ingest).handler()],
+            handlers=[self.service.handler(), OtlpService(self.service).handler()],
             interceptors=[TokenAuth(tokens)] if tokens else None,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

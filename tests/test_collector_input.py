@@ -247,3 +247,77 @@ def test_accepted_spans_of_any_shape_leave_report_and_exports_working(collector,
             assert out.returncode == 0, out.stderr
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 5
     assert sum(len(s.spans) for r in receiver.requests for rs in r.resource_spans for s in rs.scope_spans) == 5
+
+
+def test_a_batch_checked_after_shutdown_began_is_told_to_retry(tmp_path):
+    """A stream's batch may finish its check after the collector stopped its writer (a big
+    batch, SIGTERM meanwhile): it must be answered (UNAVAILABLE: retry), not wait for ever,
+    which kept the collector from exiting."""
+    from crosstrace.collector.ingest import check
+    from crosstrace.collector.server import StoreUnavailable, Writer
+
+    with Store(str(tmp_path / "s.db")) as store:
+        writer = Writer(store)
+        assert writer.submit(check(batch(3))).result(timeout=10).accepted == 3
+        writer.close()
+        with pytest.raises(StoreUnavailable, match="shutting down"):
+            writer.submit(check(batch(3, seq=2))).result(timeout=10)
+
+
+def test_bytes_in_flight_are_bounded():
+    """A batch waits while others fill the bound (alone it always fits); after the wait its
+    client is told to retry, and it goes through once there is room."""
+    import threading
+
+    from crosstrace.collector.server import InFlight, StoreUnavailable
+
+    bound = InFlight(64 << 20, wait_s=0.3)
+    with bound.hold(100 << 20):                     # larger than the bound, alone: admitted
+        with pytest.raises(StoreUnavailable, match="busy"):
+            with bound.hold(1 << 20):
+                pass
+    entered = threading.Event()
+
+    def second():
+        with bound.hold(8 << 20):
+            entered.set()
+
+    bound.wait_s = 10
+    with bound.hold(60 << 20):
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        time.sleep(0.2)
+        assert not entered.is_set()   # 60 + 8 MB would not fit: it waits
+    waiting.join(10)
+    assert entered.is_set() and bound.used == 0
+
+
+def test_a_full_collector_tells_clients_to_retry(tmp_path):
+    """--max-streams bounds the calls served at once (each tracer holds a stream); one more
+    gets RESOURCE_EXHAUSTED, which the tracer retries, and is served once a stream ends."""
+    from crosstrace.launch import CollectorProcess
+
+    probe = pb.ClockProbe(t1=1).SerializeToString()
+    with CollectorProcess(str(tmp_path / "s.db"), extra_args=("--max-streams", "2")) as collector, \
+            grpc.insecure_channel(collector.address) as channel:
+        exchange = channel.unary_unary("/crosstrace.v1.Collector/ExchangeClock", request_serializer=None,
+                                       response_deserializer=None)
+        streams = []
+        for _ in range(2):   # idle export streams, as two tracers between batches hold them
+            call = channel.stream_stream(EXPORT, request_serializer=None,
+                                         response_deserializer=pb.ExportAck.FromString)(idle_requests(3))
+            streams.append(call)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as refused:
+            exchange(probe, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        streams[0].cancel()
+        time.sleep(0.5)
+        assert pb.ClockProbeReply.FromString(exchange(probe, timeout=5)).t1 == 1
+        streams[1].cancel()
+
+
+def idle_requests(seconds: float):
+    """A request iterator that sends nothing for a while (an idle stream)."""
+    time.sleep(seconds)
+    yield from ()

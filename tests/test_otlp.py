@@ -117,7 +117,7 @@ def test_bad_otlp_spans_are_rejected_one_by_one(collector):
     store = Store(collector.store, readonly=True)
     try:
         assert store.span_count() == 1
-        assert store.rejects() == {"end_before_start": 1, "invalid_trace_id": 1}
+        assert store.rejects() == {"end_before_start": 1, "invalid_trace_id": 1, "malformed_batch": 1}
         assert [r.node_id for r in store.nodes().values()] == ["otlp/unknown"]
     finally:
         store.close()

@@ -10,6 +10,7 @@ import time
 from ..collector import security
 from ..collector.relay import Relay
 from ..collector.server import Collector
+from .report import positive
 
 
 def register(sub) -> None:
@@ -29,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--sync", choices=("normal", "full"), default="normal",
                    help="normal: an acked batch survives the collector being killed; full: also a "
                         "power loss (an fsync per commit)")
+    p.add_argument("--max-streams", type=positive, default=1024,
+                   help="concurrent calls served (default %(default)s); each tracer process holds one export "
+                        "stream while it runs, and beyond this clients are told to retry")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     sec = p.add_argument_group("security")
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
@@ -62,7 +66,7 @@ def run_args(args) -> int:
         options = {"forward": Relay(upstream.cfg.node_id, upstream), "now": relay_clock.now}
     try:
         return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
-                   tokens=tokens, **options)
+                   tokens=tokens, max_streams=args.max_streams, **options)
     finally:
         if upstream is not None:
             upstream.shutdown(upstream.cfg.exit_flush_timeout_s)
@@ -85,7 +89,8 @@ def _upstream(args):
 
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
         progress_interval_s: float = 10.0, **options) -> int:
-    """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, forward, now)."""
+    """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, max_streams,
+    forward, now)."""
     collector = Collector(store, listen, sync=sync, **options).start()
     stop = threading.Event()
 
