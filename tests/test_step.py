@@ -138,3 +138,37 @@ def test_steps_without_any_provider_cost_nothing_and_work():
                 print(span.is_recording(), child.is_recording())
     """)
     assert out.stdout.split() == ["False", "False"]
+
+
+RUN_TWICE = """
+import datetime, json
+import torch.distributed as dist
+import crosstrace
+
+provider = crosstrace.init()
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+for k in range(2):
+    with crosstrace.step(k):
+        dist.barrier()
+provider.shutdown()
+print(json.dumps({}))
+"""
+
+
+def test_runs_of_one_job_keep_their_steps_apart(collector):
+    """A job run again into the same collector: each run's ranks agree on a run id once
+    (torch.distributed's store), so step k of the two runs are two traces, not one."""
+    pytest.importorskip("torch.distributed")
+    from .test_torch_collectives import run_ranks
+
+    for _ in range(2):
+        run_ranks(RUN_TWICE, 2, collector, job_id="rerun")
+    steps = [s for s in spans_of(load_table(collector.store)) if s["name"] == "step"]
+    assert len(steps) == 8
+    runs = {s["a"][sc.RUN_ID] for s in steps}
+    assert len(runs) == 2
+    for run in runs:
+        for k in range(2):
+            traces = {s["trace"] for s in steps if s["a"][sc.RUN_ID] == run and s["a"][sc.STEP] == k}
+            assert traces == {f"{step_trace_id('rerun', k, run):032x}"}   # both ranks, one trace
+    assert len({s["trace"] for s in steps}) == 4

@@ -52,8 +52,11 @@ def spans(collector) -> list[dict]:
 
 
 def step_traces(rows, job: str) -> dict[str, int]:
-    """trace id -> step number, for the steps of `job`."""
-    return {f"{step_trace_id(job, k):032x}": k for k in {r["a"][sc.STEP] for r in rows if r["name"] == "step"}}
+    """trace id -> step number, for the steps of `job`, each trace id the one its job, run
+    and number give."""
+    steps = [r for r in rows if r["name"] == "step"]
+    assert all(r["trace"] == f"{step_trace_id(job, r['a'][sc.STEP], r['a'][sc.RUN_ID]):032x}" for r in steps)
+    return {r["trace"]: r["a"][sc.STEP] for r in steps}
 
 
 def check_collectives_join(rows) -> dict:

@@ -1,4 +1,4 @@
-"""Training steps: one trace per step, shared by every rank without a message.
+"""Training steps: one trace per step, shared by every rank without a message per step.
 
     with crosstrace.step(k):              # step k of the training loop
         ...
@@ -9,8 +9,9 @@
     for batch in crosstrace.steps(loader):  # each iteration is a step; fetching the batch too
         ...
 
-The trace id of step k is a hash of (job_id, k): every rank computes the same id on its
-own, so the collector finds all ranks' spans of a step in one trace. Sampling is the same
+The trace id of step k is a hash of (job_id, run, k): every rank computes the same id on its
+own, so the collector finds all ranks' spans of a step in one trace. The run (run_id) keeps
+a job's runs apart; the ranks agree on it once, through torch.distributed's store. Sampling is the same
 on every rank too (k % every == 0); inside an unsampled step the current span is a
 non-recording one, so spans started under it (collectives, DDP buckets, user spans) cost
 next to nothing and are not exported: crosstrace's Tracer and OpenTelemetry's SDK both
@@ -24,6 +25,8 @@ on each rank.
 import functools
 import hashlib
 import os
+import sys
+import warnings
 
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
@@ -42,10 +45,50 @@ _next_step = 0    # the number a step without an explicit number gets
 _active = None    # Context of the innermost open step in this process (see active_step)
 
 
-def step_trace_id(job_id: str, k: int) -> int:
-    """The 128-bit trace id of step k of a job: the same on every rank, never 0."""
-    digest = hashlib.blake2b(f"{job_id}\x00{k}".encode(), digest_size=16, person=b"crosstrace.step").digest()
+def step_trace_id(job_id: str, k: int, run: str = "") -> int:
+    """The 128-bit trace id of step k of a job's run: the same on every rank, never 0."""
+    key = f"{job_id}\x00{k}" + (f"\x00{run}" if run else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=16, person=b"crosstrace.step").digest()
     return int.from_bytes(digest, "big") or 1
+
+
+_run = None   # this run's id, once agreed (run_id)
+_RUN_KEY = "crosstrace/run_id"
+
+
+def run_id() -> str:
+    """What tells this run's steps from another run's of the same job id (a job run again
+    into the same collector): CROSSTRACE_RUN_ID, else a random id the ranks agree on once,
+    at the first step after torch.distributed is initialized, through its store (the first
+    rank to ask sets it), else torchrun's run id; "" where none of these exists, and step k's
+    trace then follows from the job id alone."""
+    global _run
+    if _run is not None:
+        return _run
+    env = os.environ
+    run = env.get("CROSSTRACE_RUN_ID")
+    if not run:
+        agreed = _agreed_run_id()
+        if agreed is None:   # torch.distributed not (yet) initialized: asked again at the next step
+            elastic = env.get("TORCHELASTIC_RUN_ID", "")
+            return "" if elastic in ("", "none") else elastic
+        run = agreed
+    _run = run
+    return run
+
+
+def _agreed_run_id() -> str | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"{_RUN_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"   # a restart is a new run
+        return store.compare_set(key, "", os.urandom(8).hex()).decode()
+    except Exception as exc:   # a store without compare_set, say: steps follow from the job id alone
+        warnings.warn(f"crosstrace.step: the ranks could not agree on a run id ({exc!r}); runs of one job id "
+                      "share their steps' traces (set CROSSTRACE_RUN_ID)", RuntimeWarning, stacklevel=4)
+        return ""
 
 
 def job_id_of(provider) -> str:
@@ -93,12 +136,14 @@ class Step:
         _next_step = k + 1
         self.k = k
         provider = trace_api.get_tracer_provider()
-        job = self.job_id or job_id_of(provider)
-        trace_id = step_trace_id(job, k)
+        job, run = self.job_id or job_id_of(provider), run_id()
+        trace_id = step_trace_id(job, k, run)
         if k % self.every:
             span = _origin(trace_id, sampled=False)
         else:
             attributes = {sc.STEP: k, sc.JOB_ID: job}
+            if run:
+                attributes[sc.RUN_ID] = run
             if self.attributes:
                 attributes.update(self.attributes)
             if isinstance(provider, TracerProvider):   # a root of its trace on this rank
