@@ -161,7 +161,8 @@ def causality(table: SpanTable, matches: Matches) -> tuple[np.ndarray, np.ndarra
         if collective_pattern(op) != N_X_N or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
                                                         for r in members.tolist()):
             continue
-        a, b = np.meshgrid(members, members, indexing="ij")
+        starts, ends = _binding_members(table, members)
+        a, b = np.meshgrid(starts, ends, indexing="ij")
         rows_a.append(a.ravel())
         rows_b.append(b.ravel())
     if rows_a:
@@ -175,6 +176,23 @@ def causality(table: SpanTable, matches: Matches) -> tuple[np.ndarray, np.ndarra
     b_end = np.concatenate([np.full(len(p[2]), p[3]) for p in parts])
     other_node = table.node[row_a] != table.node[row_b]    # one clock cannot contradict itself
     return row_a[other_node], a_end[other_node], row_b[other_node], b_end[other_node]
+
+
+def _binding_members(table: SpanTable, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(members whose start, members whose end) give a collective's every-start-before-
+    every-end facts: per node, the one that starts last and the one that ends first. One
+    clock per node orders its members alike, so they bind all the facts the others would
+    give, and the facts stay nodes x nodes however many spans one key gathers (a rank's,
+    or thousands a client sent)."""
+    nodes = table.node[members]
+    if len(np.unique(nodes)) == len(members):
+        return members, members
+    by_start = members[np.lexsort((table.start[members], nodes))]
+    by_end = members[np.lexsort((table.end[members], nodes))]
+    sorted_nodes = np.sort(nodes)
+    new_node = np.r_[True, sorted_nodes[1:] != sorted_nodes[:-1]]
+    last_of_node = np.r_[new_node[1:], True]
+    return by_start[last_of_node], by_end[new_node]
 
 
 # -- alignment ---------------------------------------------------------------------------------

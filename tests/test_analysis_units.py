@@ -326,3 +326,22 @@ def test_empty_table():
 
 def test_every_category_has_a_priority():
     assert set(attribution.PRIORITY) == set(CATEGORIES) - {"host.overhead"} | {REMOTE}
+
+
+def test_a_collective_key_gathering_many_spans_gives_nodes_x_nodes_facts():
+    """Every start before every end, per node reduced to the member that starts last and the
+    one that ends first: the same bounds as all pairs, in nodes x nodes facts, where all
+    pairs of thousands of spans under one key (a client's) took gigabytes."""
+    from crosstrace.collector.align import causality
+
+    s = Spans()
+    for i in range(3000):
+        node = ("a", "b", "c")[i % 3]
+        s.add("all_reduce", Kind.COLLECTIVE, start=i * 0.001, end=10 + i * 0.001, node=node, **coll(0, [0, 1, 2]))
+    table, _ = build(s.spans, {"a": 0, "b": 1, "c": 2})
+    row_a, a_end, row_b, b_end = causality(table, match(table))
+    assert len(row_a) == 6 and not a_end.any() and b_end.all()       # 3 x 3 node pairs, less a node with itself
+    last_start = {n: max(r for r in range(3000) if r % 3 == n) for n in range(3)}
+    first_end = {n: min(r for r in range(3000) if r % 3 == n) for n in range(3)}
+    assert {(int(a), int(b)) for a, b in zip(row_a, row_b)} == {(last_start[x], first_end[y])
+                                                                for x in range(3) for y in range(3) if x != y}
