@@ -325,3 +325,17 @@ def test_opentelemetry_settings_are_followed(collector, monkeypatch):
     with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="traceidratio is not followed"):
         m.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
         Config.from_env()
+
+
+def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector):
+    tracer = provider.get_tracer("test")
+    other = trace.SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=trace.TraceFlags(1))
+    with tracer.start_as_current_span("epoch", links=[trace.Link(other)] * 100) as span:
+        for i in range(200):
+            span.add_event(f"step {i}")
+            span.add_link(other)
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    extras = t.extras[by_name(t)["epoch"]]
+    assert [e[0] for e in extras["events"]] == [f"step {i}" for i in range(72, 200)]   # the newest 128
+    assert len(extras["links"]) == 128

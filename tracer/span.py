@@ -7,6 +7,7 @@ batches.
 What end() queues is the span's fields and attributes (ExportQueue says why), not the
 span itself, which dies at end() unless its caller keeps it.
 """
+import collections
 import logging
 import traceback
 
@@ -16,6 +17,10 @@ from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 from ..proto.semconv import OTEL_KINDS, Kind, Status
 
 log = logging.getLogger("crosstrace.tracer")
+
+# As OpenTelemetry's SDK bounds them: a span that lives long (an epoch) and notes an event
+# per step would otherwise grow without end, and so would its batch.
+MAX_EVENTS = MAX_LINKS = 128
 
 # get_ident() makes a new int object on every call; interning it saves 36 bytes per
 # queued span. The exporter clears this when it grows (threads come and go).
@@ -95,12 +100,14 @@ class Span:
             return
         clock = self._sink.clock
         t = clock.now() if timestamp is None else clock.from_epoch_ns(timestamp)
-        self._extras().events.append((name, t, dict(attributes) if attributes else None))
+        self._extras().events.append((name, t, dict(attributes) if attributes else None))   # the newest MAX_EVENTS
 
     def add_link(self, context: trace_api.SpanContext, attributes=None) -> None:
         if self.end_ns or context is None or not context.is_valid:
             return
-        self._extras().links.append(trace_api.Link(context, dict(attributes) if attributes else None))
+        links = self._extras().links
+        if len(links) < MAX_LINKS:
+            links.append(trace_api.Link(context, dict(attributes) if attributes else None))
 
     def update_name(self, name: str) -> None:
         if not self.end_ns:
@@ -185,8 +192,8 @@ class SpanExtras:
     def __init__(self, links=None, trace_state=None):
         self.status = 0
         self.status_message = None
-        self.events = []
-        self.links = links or []
+        self.events = collections.deque(maxlen=MAX_EVENTS)
+        self.links = links[:MAX_LINKS] if links else []
         self.trace_state = trace_state
         self.record_exception = self.set_status_on_exception = True   # start_span's flags
 
