@@ -465,17 +465,22 @@ def test_a_disabled_or_shut_down_provider_leaves_the_calls_alone(collector, stat
                                          disabled=state == "disabled")
     if state == "shut down":
         provider.shutdown()
+    seen, echo = metadata_echo()
     server, address = sync_server(provider, {
-        "Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+        "Echo": echo,
         "Stream": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([request] * 2))})
     try:
         channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
-        assert channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
+        response, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
+        assert response == b"x"
         assert list(channel.unary_stream("/test.Svc/Stream")(b"y", timeout=10)) == [b"y", b"y"]
     finally:
         server.stop(0)
     provider.shutdown()
     assert load(collector) == ([], [])
+    if state == "disabled":   # nor does it ask for clock samples, or answer them
+        assert not any(ct_grpc.T1_KEY in m for m in seen)
+        assert not any(k == ct_grpc.CLOCK_KEY for k, _ in call.trailing_metadata())
 
 
 def test_a_channel_asks_for_one_clock_sample_per_interval(collector):

@@ -83,7 +83,7 @@ class _Binding:
         self.start_span = starter() if starter is not None else (
             lambda name, context, kind, attributes: tracer.start_span(name, context, kind, attributes))
         self.next_sample = -1 << 63   # the first call asks (a simulated clock may read below 0)
-        if isinstance(provider, TracerProvider):
+        if isinstance(provider, TracerProvider) and not provider.config.disabled:   # disabled: no clock samples either
             self.now = provider.clock.now
             self.add_sample = provider.add_clock_sample
             self.node = quote(provider.node_id, safe="")  # metadata values are printable ASCII
