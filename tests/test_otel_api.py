@@ -186,6 +186,26 @@ def test_a_span_starts_where_and_when_it_is_entered(provider):
                 assert trace.get_current_span() is span
         assert span.parent_id == parent.span_id and span.trace_id == parent.trace_id
         assert made_at < entered_at <= span.start
+        with pytest.raises(RuntimeError, match="entered already"):   # once, as the SDK's context manager
+            with lazy:
+                pass
+
+
+def test_a_span_is_on_the_thread_that_enters_it(provider):
+    import threading
+
+    lazy = provider.get_tracer("test").start_as_current_span("elsewhere")
+    entered = []
+
+    def enter():
+        with lazy as span:
+            entered.append((span, threading.get_ident()))
+
+    worker = threading.Thread(target=enter)
+    worker.start()
+    worker.join(10)
+    [(span, thread)] = entered
+    assert span.thread == thread != threading.get_ident()
 
 
 def test_a_span_left_in_another_context_still_ends(provider, collector):
@@ -315,13 +335,20 @@ def test_opentelemetry_settings_are_followed(collector, monkeypatch):
     assert resource.service_name == "shop"
     assert dict(resource.labels) == {"service.name": "shop", "deployment.environment": "prod", "team": "ml infra"}
 
-    for name, value, disabled in (("OTEL_SDK_DISABLED", "true", True), ("OTEL_TRACES_SAMPLER", "always_off", True),
-                                  ("OTEL_TRACES_SAMPLER", "parentbased_always_on", False)):
+    for name, value in (("OTEL_SDK_DISABLED", "true"), ("OTEL_TRACES_SAMPLER", "always_off")):
         with monkeypatch.context() as m:
             m.setenv(name, value)
-            assert Config.from_env().disabled is disabled
-            m.setenv("CROSSTRACE_DISABLED", "false")          # crosstrace's own variable wins
+            with pytest.warns(RuntimeWarning, match=f"tracing is off, as {name}"):
+                assert Config.from_env().disabled is True
+            assert Config.from_env(disabled=False).disabled is False   # an argument wins
+            m.setenv("CROSSTRACE_DISABLED", "false")                    # and so does crosstrace's own variable
             assert Config.from_env().disabled is False
+    with monkeypatch.context() as m:
+        m.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+        assert Config.from_env().disabled is False
+        m.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-env")
+        given = Config.from_env(labels={"gpu": 0, "team": "ml"})       # given labels replace the variable's
+        assert given.labels == {"gpu": "0", "team": "ml"} and given.service_name == ""
     with monkeypatch.context() as m, pytest.warns(RuntimeWarning, match="traceidratio is not followed"):
         m.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
         Config.from_env()

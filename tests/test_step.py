@@ -172,3 +172,20 @@ def test_runs_of_one_job_keep_their_steps_apart(collector):
             traces = {s["trace"] for s in steps if s["a"][sc.RUN_ID] == run and s["a"][sc.STEP] == k}
             assert traces == {f"{step_trace_id('rerun', k, run):032x}"}   # both ranks, one trace
     assert len({s["trace"] for s in steps}) == 4
+
+
+def test_torchruns_run_id_tells_runs_and_restarts_apart(monkeypatch):
+    """Under torchrun every rank has the run id from the start: no exchange is needed, and
+    steps taken before init_process_group agree too."""
+    from crosstrace.tracer import step as step_mod
+
+    for env, expected in (({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1"}, "abc/1"),
+                          ({"TORCHELASTIC_RUN_ID": "none", "CROSSTRACE_RUN_ID": "mine"}, "mine"),
+                          ({"TORCHELASTIC_RUN_ID": "none"}, "")):     # static rendezvous, no process group
+        with monkeypatch.context() as m:
+            for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "CROSSTRACE_RUN_ID"):
+                m.delenv(name, raising=False)
+            for name, value in env.items():
+                m.setenv(name, value)
+            m.setattr(step_mod, "_run", None)
+            assert step_mod.run_id() == expected

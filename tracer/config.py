@@ -73,12 +73,13 @@ class Config:
         for name, env_name in (("rank", "RANK"), ("world_size", "WORLD_SIZE"), ("local_rank", "LOCAL_RANK")):
             if env.get(ENV_PREFIX + name.upper()) is None and env.get(env_name) is not None:
                 _set_from_text(cfg, _FIELDS[name], env[env_name], env_name)
-        _follow_opentelemetry(cfg, env)
         for name, value in overrides.items():
             if name not in _FIELDS:
                 raise TypeError(f"unknown crosstrace option {name!r}; known: {', '.join(sorted(_FIELDS))}")
             if value is not None:
                 setattr(cfg, name, value)
+        _follow_opentelemetry(cfg, env, given={name for name, value in overrides.items() if value is not None})
+        cfg.labels = _text_labels(cfg.labels)
         for name, minimum in _MINIMUM.items():
             value = getattr(cfg, name)
             if not value >= minimum:
@@ -92,21 +93,35 @@ class Config:
         return cfg
 
 
-def _follow_opentelemetry(cfg: Config, env) -> None:
-    """OpenTelemetry's own variables, where no CROSSTRACE_* one says otherwise."""
+def _follow_opentelemetry(cfg: Config, env, given: set) -> None:
+    """OpenTelemetry's own variables, where neither an argument (`given`) nor a CROSSTRACE_*
+    variable says otherwise."""
     if not cfg.labels and env.get("OTEL_RESOURCE_ATTRIBUTES"):
         cfg.labels = _labels(env["OTEL_RESOURCE_ATTRIBUTES"], "OTEL_RESOURCE_ATTRIBUTES")
     if not cfg.service_name:
-        cfg.service_name = env.get("OTEL_SERVICE_NAME") or cfg.labels.get("service.name", "")
-    if env.get(ENV_PREFIX + "DISABLED") is not None:
+        cfg.service_name = env.get("OTEL_SERVICE_NAME") or str(cfg.labels.get("service.name", ""))
+    if "disabled" in given or env.get(ENV_PREFIX + "DISABLED") is not None:
         return
     sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or sampler == "always_off":
+    off = "OTEL_SDK_DISABLED=true" if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" else (
+        "OTEL_TRACES_SAMPLER=always_off" if sampler == "always_off" else None)
+    if off:
         cfg.disabled = True
+        warnings.warn(f"crosstrace: tracing is off, as {off} asks (CROSSTRACE_DISABLED=false or "
+                      "init(disabled=False) turns it on)", RuntimeWarning, stacklevel=3)
     elif sampler not in ("", "always_on", "parentbased_always_on"):
         warnings.warn(f"crosstrace: OTEL_TRACES_SAMPLER={sampler} is not followed: crosstrace records every span "
                       "under a sampled parent, and samples training steps itself (crosstrace.step(k, every=N))",
                       RuntimeWarning, stacklevel=3)
+
+
+def _text_labels(labels) -> dict:
+    """Labels as the wire holds them, text to text (a GPU index given as 0, say)."""
+    try:
+        return {str(key): str(value) for key, value in dict(labels).items()}
+    except (TypeError, ValueError):
+        warnings.warn(f"crosstrace: ignoring labels={labels!r}: expected a mapping", RuntimeWarning, stacklevel=4)
+        return {}
 
 
 def _labels(raw: str, source: str) -> dict:

@@ -138,12 +138,11 @@ class Tracer(trace_api.Tracer):
         span.attributes = attributes
         span.extras = extras
         span.end_ns = 0
+        if start_time is _AT_ENTER:   # a ScopedSpan: its thread and start are those of the `with`
+            return span
         thread = _get_ident()
         span.thread = _intern_thread(thread, thread)
-        if start_time is None:
-            span.start = self._now()
-        elif start_time is not _AT_ENTER:
-            span.start = self._queue.clock.from_epoch_ns(start_time)
+        span.start = self._now() if start_time is None else self._queue.clock.from_epoch_ns(start_time)
         return span
 
 
@@ -205,12 +204,14 @@ def detach_quietly(token) -> None:
 class ScopedSpan(Span):
     """What `start_as_current_span` returns in the common case (default flags, current
     context as parent): the span is its own context manager, so entering it costs one
-    Context and one ContextVar.set and no wrapper object. Its parent, trace id and start
-    are those of where and when it is entered."""
+    Context and one ContextVar.set and no wrapper object. Its parent, trace id, thread and
+    start are those of where and when it is entered, once (as the SDK's context manager)."""
 
     __slots__ = ("_token",)
 
     def __enter__(self):
+        if self.trace_id:
+            raise RuntimeError(f"crosstrace: span {self.name!r} from start_as_current_span() was entered already")
         parent = _get_context()
         span = parent.get(_SPAN_KEY)
         if span is None:
@@ -220,8 +221,9 @@ class ScopedSpan(Span):
         else:
             under = _under(span)
             if under is None:   # an unsampled parent: nothing is recorded, the parent's context is current
-                self.end_ns = 1
-                span = trace_api.NonRecordingSpan(span.get_span_context())
+                context = span.get_span_context()
+                self.trace_id, self.end_ns = context.trace_id, 1
+                span = trace_api.NonRecordingSpan(context)
                 self._token = attach_span(span, parent)
                 return span
             self.trace_id, self.parent_id, trace_state = under
@@ -231,6 +233,8 @@ class ScopedSpan(Span):
         ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
         dict.__setitem__(ctx, _SPAN_KEY, self)
         self._token = _attach(ctx)
+        thread = _get_ident()
+        self.thread = _intern_thread(thread, thread)
         self.start = self._sink.now()
         return self
 
@@ -265,8 +269,11 @@ class CurrentSpan:
         self._record = record_exception
         self._set_status = set_status_on_exception
         self._end = end_on_exit
+        self._span = None
 
     def __enter__(self):
+        if self._span is not None:
+            raise RuntimeError(f"crosstrace: span {self._args[0]!r} from start_as_current_span() was entered already")
         span = self._span = self._tracer.start_span(*self._args)
         self._token = attach_span(span, _get_context())
         return span

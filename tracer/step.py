@@ -58,23 +58,24 @@ _RUN_KEY = "crosstrace/run_id"
 
 def run_id() -> str:
     """What tells this run's steps from another run's of the same job id (a job run again
-    into the same collector): CROSSTRACE_RUN_ID, else a random id the ranks agree on once,
-    at the first step after torch.distributed is initialized, through its store (the first
-    rank to ask sets it), else torchrun's run id; "" where none of these exists, and step k's
-    trace then follows from the job id alone."""
+    into the same collector): CROSSTRACE_RUN_ID, else torchrun's run id (with its restart
+    count: a restart is a new run), which every rank has from the start, else a random id
+    the ranks agree on once, at the first step after torch.distributed is initialized,
+    through its store (the first rank to ask sets it); "" before that, or without any of
+    these: step k's trace then follows from the job id alone. So steps taken before
+    init_process_group under a launcher without a run id share their traces across runs."""
     global _run
-    if _run is not None:
-        return _run
-    env = os.environ
-    run = env.get("CROSSTRACE_RUN_ID")
-    if not run:
-        agreed = _agreed_run_id()
-        if agreed is None:   # torch.distributed not (yet) initialized: asked again at the next step
-            elastic = env.get("TORCHELASTIC_RUN_ID", "")
-            return "" if elastic in ("", "none") else elastic
-        run = agreed
-    _run = run
-    return run
+    if _run is None:
+        env = os.environ
+        elastic = env.get("TORCHELASTIC_RUN_ID", "none")
+        run = env.get("CROSSTRACE_RUN_ID") or (
+            f"{elastic}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}" if elastic not in ("", "none") else None)
+        if run is None:
+            run = _agreed_run_id()
+            if run is None:   # torch.distributed not (yet) initialized: asked again at the next step
+                return ""
+        _run = run
+    return _run
 
 
 def _agreed_run_id() -> str | None:
@@ -83,8 +84,7 @@ def _agreed_run_id() -> str | None:
         return None
     try:
         store = dist.distributed_c10d._get_default_store()
-        key = f"{_RUN_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"   # a restart is a new run
-        return store.compare_set(key, "", os.urandom(8).hex()).decode()
+        return store.compare_set(_RUN_KEY, "", os.urandom(8).hex()).decode()
     except Exception as exc:   # a store without compare_set, say: steps follow from the job id alone
         warnings.warn(f"crosstrace.step: the ranks could not agree on a run id ({exc!r}); runs of one job id "
                       "share their steps' traces (set CROSSTRACE_RUN_ID)", RuntimeWarning, stacklevel=4)
