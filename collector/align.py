@@ -157,11 +157,14 @@ def causality(table: SpanTable, matches: Matches) -> tuple[np.ndarray, np.ndarra
     if len(matches.p2p):
         parts.append((matches.p2p[:, 0], False, matches.p2p[:, 1], True))
     rows_a, rows_b = [], []
+    # Each node once per instance (the rule): no instance needs _binding_members.
+    scoped = matches.coll_instance.astype(np.int64) * max(len(table.nodes), 1) + table.node[matches.coll_rows]
+    one_per_node = len(np.unique(scoped)) == len(scoped)
     for members, op in zip(matches.collective_members(), matches.coll_op):
         if collective_pattern(op) != N_X_N or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
                                                         for r in members.tolist()):
             continue
-        starts, ends = _binding_members(table, members)
+        starts, ends = (members, members) if one_per_node else _binding_members(table, members)
         a, b = np.meshgrid(starts, ends, indexing="ij")
         rows_a.append(a.ravel())
         rows_b.append(b.ravel())
@@ -185,8 +188,6 @@ def _binding_members(table: SpanTable, members: np.ndarray) -> tuple[np.ndarray,
     give, and the facts stay nodes x nodes however many spans one key gathers (a rank's,
     or thousands a client sent)."""
     nodes = table.node[members]
-    if len(np.unique(nodes)) == len(members):
-        return members, members
     by_start = members[np.lexsort((table.start[members], nodes))]
     by_end = members[np.lexsort((table.end[members], nodes))]
     sorted_nodes = np.sort(nodes)

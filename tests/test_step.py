@@ -147,6 +147,7 @@ import crosstrace
 
 provider = crosstrace.init()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+crosstrace.instrument_collectives()
 for k in range(2):
     with crosstrace.step(k):
         dist.barrier()
@@ -157,13 +158,19 @@ print(json.dumps({}))
 
 def test_runs_of_one_job_keep_their_steps_apart(collector):
     """A job run again into the same collector: each run's ranks agree on a run id once
-    (torch.distributed's store), so step k of the two runs are two traces, not one."""
+    (torch.distributed's store), so step k of the two runs are two traces, not one, and
+    the collectives of the two runs, numbered alike, are not joined."""
     pytest.importorskip("torch.distributed")
+    from crosstrace.collector.matching import match
+
     from .test_torch_collectives import run_ranks
 
     for _ in range(2):
         run_ranks(RUN_TWICE, 2, collector, job_id="rerun")
-    steps = [s for s in spans_of(load_table(collector.store)) if s["name"] == "step"]
+    table = load_table(collector.store)
+    members = match(table).collective_members()
+    assert len(members) == 4 and all(len(m) == 2 and len({table.trace[r] for r in m}) == 1 for m in members)
+    steps = [s for s in spans_of(table) if s["name"] == "step"]
     assert len(steps) == 8
     runs = {s["a"][sc.RUN_ID] for s in steps}
     assert len(runs) == 2
