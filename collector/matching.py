@@ -60,13 +60,17 @@ def intern(keys: list) -> np.ndarray:
     """Dense int ids for keys (equal keys, equal ids; None stays -1, and so does a key that
     holds a list or an object, which a client may send as a join attribute: no key)."""
     ids: dict = {}
-    out = np.empty(len(keys), dtype=np.int64)
-    for i, k in enumerate(keys):
-        try:
-            out[i] = -1 if k is None else ids.setdefault(k, len(ids))
-        except TypeError:
-            out[i] = -1
-    return out
+    try:
+        return np.array([-1 if k is None else ids.setdefault(k, len(ids)) for k in keys], dtype=np.int64)
+    except TypeError:   # such a key: the rare slow path, key by key
+        return np.array([_key_id(ids, k) for k in keys], dtype=np.int64)
+
+
+def _key_id(ids: dict, key) -> int:
+    try:
+        return -1 if key is None else ids.setdefault(key, len(ids))
+    except TypeError:
+        return -1
 
 
 def occurrence(ids: np.ndarray) -> np.ndarray:
