@@ -103,32 +103,27 @@ def pair(ids_a: np.ndarray, rows_a: np.ndarray, ids_b: np.ndarray, rows_b: np.nd
     return pairs, rows_a[lone_a].astype(np.int64), rows_b[lone_b].astype(np.int64)
 
 
-def step_traces(table: SpanTable) -> np.ndarray:
-    """Per trace, whether it is a training step's: a root span in it carries the step number."""
+def scopes(table: SpanTable) -> np.ndarray:
+    """What each span's sequence number (a collective's, a transfer's) counts within, as one
+    int: its job, and its step's trace where it ran in a step (a trace whose root span
+    carries the step number). The counters of two runs of one job both start at 0; their
+    steps' traces differ (tracer/step.py run_id), so a step's collectives are never joined
+    with another run's."""
     roots = np.flatnonzero(table.parent_id == 0)
     steps = roots[[a is not None and sc.STEP in a for a in map(table.attributes.__getitem__, roots.tolist())]]
-    out = np.zeros(len(table.trace_ids), dtype=bool)
-    out[table.trace[steps.astype(np.int64)]] = True
-    return out
-
-
-def _scopes(table: SpanTable, rows: np.ndarray, in_step: np.ndarray) -> list:
-    """What a collective's or a transfer's sequence number counts within, per row (as one
-    int): its job, and its step's trace where it ran in a step. The counters of two runs of one job both
-    start at 0; their steps' traces differ (tracer/step.py run_id), so a step's collectives
-    are never joined with another run's."""
+    in_step = np.zeros(len(table.trace_ids), dtype=bool)
+    in_step[table.trace[steps.astype(np.int64)]] = True
     jobs: dict = {}
     job_of_node = np.array([jobs.setdefault(r.job_id, len(jobs)) for r in table.resources], dtype=np.int64)
-    traces = table.trace[rows].astype(np.int64)
-    step = np.where(in_step[traces], traces + 1, 0)          # 0: not in a step
-    return (job_of_node[table.node[rows]] * (len(in_step) + 1) + step).tolist()
+    traces = table.trace.astype(np.int64)
+    return job_of_node[table.node] * (len(in_step) + 1) + np.where(in_step[traces], traces + 1, 0)
 
 
-def _p2p_keys(table: SpanTable, rows: np.ndarray, in_step: np.ndarray) -> list:
+def _p2p_keys(table: SpanTable, rows: np.ndarray, scope: np.ndarray) -> list:
     """Key (scope, src, dst, tag, seq) per row; None without src, dst or seq."""
     cols = [table.attr(key, rows) for key in (sc.P2P_SRC, sc.P2P_DST, sc.P2P_TAG, sc.P2P_SEQ)]
     return [None if k[1] is None or k[2] is None or k[4] is None else k
-            for k in zip(_scopes(table, rows, in_step), *cols)]
+            for k in zip(scope[rows].tolist(), *cols)]
 
 
 def match(table: SpanTable) -> Matches:
@@ -142,17 +137,17 @@ def match(table: SpanTable) -> Matches:
     rpc, lone_clients, lone_servers = pair(ids[:len(clients)], clients, ids[len(clients):], servers)
 
     # Point-to-point: a send and its receive share (scope, src, dst, tag, seq).
-    in_step = step_traces(table)
+    scope = scopes(table)
     sends = np.flatnonzero(kind == Kind.SEND)
     recvs = np.flatnonzero(kind == Kind.RECV)
-    ids = intern(_p2p_keys(table, sends, in_step) + _p2p_keys(table, recvs, in_step))
+    ids = intern(_p2p_keys(table, sends, scope) + _p2p_keys(table, recvs, scope))
     p2p, lone_sends, lone_recvs = pair(ids[:len(sends)], sends, ids[len(sends):], recvs)
 
     # Collectives: every participant of one instance has the same (scope, group, seq).
     colls = np.flatnonzero(kind == Kind.COLLECTIVE)
     groups, seqs = table.attr(sc.COLL_GROUP, colls), table.attr(sc.COLL_SEQ, colls)
     keys = [None if g is None or s is None else (j, g, s)
-            for j, g, s in zip(_scopes(table, colls, in_step), groups, seqs)]
+            for j, g, s in zip(scope[colls].tolist(), groups, seqs)]
     instance_all = intern(keys)
     keyed = instance_all >= 0
     rows, instance = colls[keyed], instance_all[keyed]

@@ -253,8 +253,7 @@ class Collector:
         except RuntimeError as exc:
             self.store.close()
             raise OSError(f"cannot listen on {listen}: {_bind_error(host, port) or exc}") from None
-        host = listen.rsplit(":", 1)[0]
-        self.address = f"{host}:{self.port}"
+        self.address = f"{listen.rpartition(':')[0]}:{self.port}"   # as given: [v6] in brackets
         self.udp_clock = UdpClockResponder(host, self.port, now)   # the same clock as the gRPC exchange
         self._stopped = threading.Event()
 

@@ -261,11 +261,16 @@ def test_start_span_as_context_manager_records_what_raises(provider, collector):
     with pytest.raises(Boom):
         with tracer.start_span("status-only", record_exception=False):
             raise Boom("quiet")
+    with pytest.raises(Boom):   # start_as_current_span's flags, and a span it does not end
+        with tracer.start_as_current_span("current", record_exception=False, end_on_exit=False) as span:
+            raise Boom("quiet")
+    span.end()
     assert provider.force_flush(10_000)
     t = load_table(collector.store)
     rows = by_name(t)
     loud, quiet = rows["recorded"], rows["status-only"]
-    assert t.status[loud] == t.status[quiet] == Status.ERROR
+    assert t.status[loud] == t.status[quiet] == t.status[rows["current"]] == Status.ERROR
+    assert "events" not in t.extras[rows["current"]]
     event = t.extras[loud]["events"][0]
     assert event[0] == "exception" and event[2]["exception.type"] == f"{__name__}.Boom"
     assert "events" not in t.extras[quiet] and t.extras[quiet]["status_message"] == "Boom: quiet"

@@ -78,8 +78,8 @@ class Config:
                 raise TypeError(f"unknown crosstrace option {name!r}; known: {', '.join(sorted(_FIELDS))}")
             if value is not None:
                 setattr(cfg, name, value)
-        _follow_opentelemetry(cfg, env, given={name for name, value in overrides.items() if value is not None})
         cfg.labels = _text_labels(cfg.labels)
+        _follow_opentelemetry(cfg, env, given={name for name, value in overrides.items() if value is not None})
         for name, minimum in _MINIMUM.items():
             value = getattr(cfg, name)
             if not value >= minimum:
@@ -99,7 +99,7 @@ def _follow_opentelemetry(cfg: Config, env, given: set) -> None:
     if not cfg.labels and env.get("OTEL_RESOURCE_ATTRIBUTES"):
         cfg.labels = _labels(env["OTEL_RESOURCE_ATTRIBUTES"], "OTEL_RESOURCE_ATTRIBUTES")
     if not cfg.service_name:
-        cfg.service_name = env.get("OTEL_SERVICE_NAME") or str(cfg.labels.get("service.name", ""))
+        cfg.service_name = env.get("OTEL_SERVICE_NAME") or cfg.labels.get("service.name", "")
     if "disabled" in given or env.get(ENV_PREFIX + "DISABLED") is not None:
         return
     sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()

@@ -16,7 +16,6 @@ from opentelemetry import context as context_api
 from opentelemetry import trace as trace_api
 from opentelemetry.context.context import Context
 from opentelemetry.trace.propagation import _SPAN_KEY
-from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
 from ..proto.semconv import KIND, KIND_BY_NAME
 from .clock import Clock
@@ -82,8 +81,8 @@ class Tracer(trace_api.Tracer):
         if (context is None and start_time is None and record_exception and set_status_on_exception
                 and end_on_exit):
             return self._start(ScopedSpan, name, _AT_ENTER, kind, attributes, links, None)
-        return CurrentSpan(self, (name, context, kind, attributes, links, start_time),
-                           record_exception, set_status_on_exception, end_on_exit)
+        return CurrentSpan(self, (name, context, kind, attributes, links, start_time, record_exception,
+                                  set_status_on_exception), end_on_exit)
 
     def span_starter(self):
         """start(name, context, kind, attributes) -> Span: start_span without the API's
@@ -98,7 +97,6 @@ class Tracer(trace_api.Tracer):
         extras = None
         if context is _AT_ENTER:
             trace_id = parent_id = 0
-            start_time = _AT_ENTER
         else:
             parent = (_get_context() if context is None else context).get(_SPAN_KEY)
             if parent is None:
@@ -138,7 +136,7 @@ class Tracer(trace_api.Tracer):
         span.attributes = attributes
         span.extras = extras
         span.end_ns = 0
-        if start_time is _AT_ENTER:   # a ScopedSpan: its thread and start are those of the `with`
+        if context is _AT_ENTER:   # a ScopedSpan: its thread and start are those of the `with`
             return span
         thread = _get_ident()
         span.thread = _intern_thread(thread, thread)
@@ -239,14 +237,14 @@ class ScopedSpan(Span):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and isinstance(exc, Exception) and not self.end_ns:
-            self._raised(exc)
         try:
             _detach(self._token)
         except (ValueError, RuntimeError) as err:   # left in another context: see detach_quietly
             log.debug("crosstrace: could not leave a span's context: %s", err)
         self._token = None
         if not self.end_ns:
+            if exc is not None and isinstance(exc, Exception):
+                self._raised(exc)
             self.end()
 
     def __call__(self, func):
@@ -261,13 +259,11 @@ class CurrentSpan:
     """`start_as_current_span` with a given parent context, a start time or non-default
     flags: starts a plain Span when entered (the common case is ScopedSpan)."""
 
-    __slots__ = ("_tracer", "_span", "_args", "_record", "_set_status", "_end", "_token")
+    __slots__ = ("_tracer", "_span", "_args", "_end", "_token")
 
-    def __init__(self, tracer, args, record_exception, set_status_on_exception, end_on_exit):
+    def __init__(self, tracer, args, end_on_exit):
         self._tracer = tracer
-        self._args = args
-        self._record = record_exception
-        self._set_status = set_status_on_exception
+        self._args = args          # start_span's, its exception flags included
         self._end = end_on_exit
         self._span = None
 
@@ -280,22 +276,18 @@ class CurrentSpan:
 
     def __exit__(self, exc_type, exc, tb):
         span = self._span
-        try:
-            if exc is not None and isinstance(exc, Exception) and span.is_recording():
-                if self._record:
-                    span.record_exception(exc, escaped=True)
-                if self._set_status:
-                    span.set_status(OtelStatus(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
-        finally:
-            detach_quietly(self._token)
-            if self._end and span.is_recording():
+        detach_quietly(self._token)
+        if span.is_recording():
+            if exc is not None and isinstance(exc, Exception):
+                span._raised(exc)
+            if self._end:
                 span.end()
         return False
 
     def __call__(self, func):
         """Used as a decorator: one new span per call."""
-        tracer, args, flags = self._tracer, self._args, (self._record, self._set_status, self._end)
-        return traced_calls(func, lambda: CurrentSpan(tracer, args, *flags))
+        tracer, args, end = self._tracer, self._args, self._end
+        return traced_calls(func, lambda: CurrentSpan(tracer, args, end))
 
 
 def traced_calls(func, scope):

@@ -149,9 +149,9 @@ class Span:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """`with tracer.start_span(...)`: an exception is recorded, unless start_span was told not to."""
-        if exc is not None and isinstance(exc, Exception) and not self.end_ns:
-            self._raised(exc)
         if not self.end_ns:
+            if exc is not None and isinstance(exc, Exception):
+                self._raised(exc)
             self.end()
 
     def _raised(self, exc: Exception) -> None:

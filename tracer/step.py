@@ -34,6 +34,7 @@ from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import StatusCode
 
 from ..proto import semconv as sc
+from .config import Config
 from .provider import TracerProvider, attach, context_with, current_context, detach_quietly
 from .span import RemoteParent
 
@@ -93,11 +94,11 @@ def _agreed_run_id() -> str | None:
 
 def job_id_of(provider) -> str:
     """The job id steps are derived from: crosstrace's configured one (the same that goes
-    into every batch's Resource), else CROSSTRACE_JOB_ID, else torchrun's run id."""
+    into every batch's Resource), else CROSSTRACE_JOB_ID, else Config's default (runs are
+    told apart by run_id)."""
     if isinstance(provider, TracerProvider):
         return provider.config.job_id
-    env = os.environ
-    return env.get("CROSSTRACE_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "default"
+    return os.environ.get("CROSSTRACE_JOB_ID") or Config.job_id
 
 
 def active_step():
