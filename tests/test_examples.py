@@ -95,11 +95,16 @@ def check_ddp_demo(injected: dict, traces: list[dict]) -> None:
     named = [t["straggler"]["node"] for t in late]
     assert named.count(straggler) >= 0.75 * len(late), named
     assert [t["straggler"]["span"] for t in late].count(injected["straggler_span"]) >= 0.75 * len(late)
-    for t in late:  # its delay cost counts each waiting rank's time once, however many buckets were in flight
+    excess = []  # its delay cost counts each waiting rank's time once, however many buckets were in flight
+    for t in late:
         waited = sum(r["attribution"].get("collective.wait", 0) for n, r in t["per_rank"].items() if n != straggler)
-        bound = (injected["ranks"] - 1) * (injected["straggle_ms"] + 15) * MS
         if t["straggler"]["node"] == straggler:
-            assert waited - 2 * MS <= t["straggler"]["delay_cost_ns"] <= bound, (t["straggler"], waited)
+            assert waited - 2 * MS <= t["straggler"]["delay_cost_ns"], (t["straggler"], waited)
+            excess.append(t["straggler"]["delay_cost_ns"] / waited)
+    # Counted once per bucket, the cost would be a multiple of the wait; beyond it is only the
+    # waiting ranks' backward going on while buckets wait. The median, as a loaded machine
+    # now and then stretches one rank's step.
+    assert statistics.median(excess) <= 1.25, excess
     for node in late[0]["per_rank"]:  # the median step: a loaded 2-core machine delays a rank now and then
         wait = statistics.median(t["per_rank"][node]["attribution"].get("collective.wait", 0) for t in late)
         if node == straggler:
