@@ -144,15 +144,16 @@ def test_straggler_is_named_and_others_wait(collector):
         assert late and late[0]["category"] == "compute" and late[0]["duration_ns"] >= 60 * MS
         assert not [s for s in trace["critical_path"]
                     if s["span"] == "backward" and s["node"] != "trainer/rank2" and s["duration_ns"] > 5 * MS]
-        # ... the others wait for it in the all_reduce ...
+        # ... the others wait for it in the all_reduce (50 ms, give or take what a loaded
+        # 2-core machine adds to a sleep and a barrier's exit: a miscounted wait is 0 or 2x) ...
         for node in ("trainer/rank0", "trainer/rank1"):
             wait = trace["per_rank"][node]["attribution"]["collective.wait"]
-            assert 40 * MS <= wait <= 60 * MS, (node, wait)
+            assert 30 * MS <= wait <= 70 * MS, (node, wait)
         assert trace["per_rank"]["trainer/rank2"]["attribution"]["collective.wait"] < 5 * MS
         # ... and it is named, with the span that kept it.
         s = trace["straggler"]
         assert (s["node"], s["rank"], s["span"]) == ("trainer/rank2", 2, "backward")
-        assert 80 * MS <= s["delay_cost_ns"] <= 120 * MS
+        assert 60 * MS <= s["delay_cost_ns"] <= 140 * MS
         assert s["waits"][0]["op"] == "all_reduce"
         assert trace["collectives"]["all_reduce"]["count"] == 1
         assert sum(trace["attribution"].values()) + trace["remote_ns"] == trace["duration_ns"]
