@@ -271,3 +271,41 @@ def test_collector_listen_address_is_checked(tmp_path):
 def test_report_limit_must_be_positive(tmp_path):
     result = crosstrace("report", "--store", str(tmp_path / "s.db"), "--limit", "-1")
     assert result.returncode == 2 and "argument --limit: must be 1 or more, got -1" in result.stderr
+
+
+def test_report_of_many_nodes_lists_the_ones_to_look_at(collector):
+    """40 nodes, 14 of them dropping spans: the terminal lists 16 clocks and 8 dropping nodes
+    (most dropped first), and says where the rest are."""
+    messages = []
+    for i in range(40):
+        b = batch(1, node=f"rank-{i:02d}", first_id=i + 1, dropped_spans=100 + i if i % 3 == 0 else 0)
+        b.session_id = i.to_bytes(16, "little")
+        messages.append(b.SerializeToString())
+    acks, err = export(collector.address, messages)
+    assert err is None and len(acks) == 40
+    result = crosstrace("report", "--store", collector.store)
+    assert result.returncode == 0, result.stderr
+    clock_rows = re.findall(r"^│ (rank-\d\d)", result.stdout, re.MULTILINE)
+    assert len(clock_rows) == 16 and "16 of 40 nodes" in result.stdout
+    assert "... and 24 more nodes: `crosstrace clocks` or --json" in result.stdout
+    dropped = " ".join(result.stdout[result.stdout.index("dropped spans"):].split())
+    assert re.findall(r"rank-\d\d", dropped.split(" and ")[0]) == [f"rank-{i:02d}" for i in (39, 36, 33, 30, 27, 24, 21, 18)]
+    assert "and 6 more nodes (1,673 in all)" in dropped
+    clocks = crosstrace("clocks", "--store", collector.store)
+    assert len(re.findall(r"^│ rank-\d\d", clocks.stdout, re.MULTILINE)) == 40
+
+
+def test_clock_table_puts_flagged_nodes_and_wide_bounds_first():
+    from rich.console import Console
+    from crosstrace.collector.views.terminal import render_clocks
+
+    def clock(bound, flags=()):
+        return {"offset_ns": 0, "drift_ppm": 0.0, "error_bound_ns": bound, "samples": 3, "flags": list(flags)}
+    clocks = {f"n{i:02d}": clock(1000 + i) for i in range(30)}
+    clocks.update(n05=clock(10, ["outliers"]), n06=clock(None), n07=clock(50, ["clock_step"]))
+    console = Console(record=True, width=120)
+    render_clocks(clocks, console, rows=5)
+    shown = re.findall(r"^│ (n\d\d)", console.export_text(), re.MULTILINE)
+    assert shown == ["n07", "n05", "n06", "n29", "n28"]   # flagged (widest first), unknown bound, widest
+    render_clocks(dict(list(clocks.items())[:5]), console := Console(record=True, width=120), rows=5)
+    assert re.findall(r"^│ (n\d\d)", console.export_text(), re.MULTILINE) == ["n00", "n01", "n02", "n03", "n04"]

@@ -1,4 +1,6 @@
 """The report in the terminal (rich tables)."""
+import math
+
 from rich.console import Console
 from rich.table import Table
 
@@ -32,16 +34,12 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
         render_kinds(report.get("summary", {}), traces, console, limit)
     if report.get("budgets"):
         render_budgets(report["budgets"], len(traces), console)
-    clocks = Table(title="clocks (offset = node clock - reference)", title_justify="left")
-    for col in ("node", "offset", "drift", "error bound", "samples", "flags"):
-        clocks.add_column(col, justify="left" if col in ("node", "flags") else "right")
-    for node, c in report["clocks"].items():
-        clocks.add_row(node, fmt_ns(c["offset_ns"]), f"{c['drift_ppm']:+.3f} ppm", fmt_ns(c["error_bound_ns"]),
-                       str(c["samples"]), ", ".join(c["flags"]) or "-")
-    console.print(clocks)
-    dropped = {n: c for n, c in report["dropped_spans"].items() if c}
-    console.print("dropped spans (tracer queues full or collector unreachable): "
-                  + (", ".join(f"{n}: {c:,}" for n, c in dropped.items()) if dropped else "none"))
+    render_clocks(report["clocks"], console)
+    dropped = sorted(((c, n) for n, c in report["dropped_spans"].items() if c), reverse=True)
+    shown = ", ".join(f"{n}: {c:,}" for c, n in dropped[:NODES_LISTED])
+    if len(dropped) > NODES_LISTED:
+        shown += f" and {len(dropped) - NODES_LISTED:,} more nodes ({sum(c for c, _ in dropped):,} in all)"
+    console.print("dropped spans (tracer queues full or collector unreachable): " + (shown or "none"))
     if report["rejected_spans"]:
         console.print("rejected by the collector: "
                       + ", ".join(f"{r}: {c:,}" for r, c in report["rejected_spans"].items()))
@@ -49,6 +47,34 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
     if unmatched:
         console.print("spans whose partner is missing (lost, sampled out or in flight): "
                       + ", ".join(f"{k}: {v}" for k, v in unmatched.items()))
+
+
+# A job of thousands of ranks gets the nodes that need a look, not thousands of rows; the
+# JSON report and `crosstrace clocks` have them all.
+CLOCK_ROWS, NODES_LISTED = 16, 8
+
+
+def render_clocks(clocks: dict, console: Console, rows: int = CLOCK_ROWS) -> None:
+    """Every node's clock where they fit in `rows`; else the flagged ones and the widest
+    error bounds first, and a line for the rest."""
+    nodes = list(clocks)
+    if len(nodes) > rows:
+        def need(node):   # an unknown bound (None) is the widest
+            bound = clocks[node]["error_bound_ns"]
+            return not clocks[node]["flags"], -(math.inf if bound is None else bound)
+        nodes = sorted(nodes, key=need)[:rows]
+    rest = len(clocks) - len(nodes)
+    table = Table(title="clocks (offset = node clock - reference)"
+                  + (f", {len(nodes)} of {len(clocks):,} nodes: flagged and widest error bounds first" if rest else ""),
+                  title_justify="left", caption_justify="left",
+                  caption=f"... and {rest:,} more nodes: `crosstrace clocks` or --json" if rest else None)
+    for col in ("node", "offset", "drift", "error bound", "samples", "flags"):
+        table.add_column(col, justify="left" if col in ("node", "flags") else "right")
+    for node in nodes:
+        c = clocks[node]
+        table.add_row(node, fmt_ns(c["offset_ns"]), f"{c['drift_ppm']:+.3f} ppm", fmt_ns(c["error_bound_ns"]),
+                      str(c["samples"]), ", ".join(c["flags"]) or "-")
+    console.print(table)
 
 
 def render_slowest(trace: dict, console: Console, limit: int = 12) -> None:
