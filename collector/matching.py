@@ -106,9 +106,10 @@ def pair(ids_a: np.ndarray, rows_a: np.ndarray, ids_b: np.ndarray, rows_b: np.nd
 def scopes(table: SpanTable) -> np.ndarray:
     """What each span's sequence number (a collective's, a transfer's) counts within, as one
     int: its job, and its step's trace where it ran in a step (a trace whose root span
-    carries the step number). The counters of two runs of one job both start at 0; their
-    steps' traces differ (tracer/step.py run_id), so a step's collectives are never joined
-    with another run's."""
+    carries the step number), else its run where the span names one. The counters of two
+    runs of one job both start at 0; their steps' traces differ, and so do the run ids the
+    tracer gives collectives and transfers (tracer/step.py run_id), so one run's are never
+    joined with another's."""
     roots = np.flatnonzero(table.parent_id == 0)
     steps = roots[[a is not None and sc.STEP in a for a in map(table.attributes.__getitem__, roots.tolist())]]
     in_step = np.zeros(len(table.trace_ids), dtype=bool)
@@ -116,7 +117,12 @@ def scopes(table: SpanTable) -> np.ndarray:
     jobs: dict = {}
     job_of_node = np.array([jobs.setdefault(r.job_id, len(jobs)) for r in table.resources], dtype=np.int64)
     traces = table.trace.astype(np.int64)
-    return job_of_node[table.node] * (len(in_step) + 1) + np.where(in_step[traces], traces + 1, 0)
+    per_job = len(in_step) + 1
+    scope = job_of_node[table.node] * per_job + np.where(in_step[traces], traces + 1, 0)
+    loose = np.flatnonzero(~in_step[traces] & table.is_kind(Kind.COLLECTIVE, Kind.SEND, Kind.RECV))
+    run = intern(table.attr(sc.RUN_ID, loose.tolist()))   # -1: none (or not a key)
+    scope[loose] += (run + 1) * (max(len(jobs), 1) * per_job)
+    return scope
 
 
 def _p2p_keys(table: SpanTable, rows: np.ndarray, scope: np.ndarray) -> list:

@@ -36,7 +36,7 @@ KIND_BY_NAME = {k.name.lower(): k for k in Kind}   # the values KIND takes
 # Training steps: the trace id of step k is derived from (job_id, k) on every rank.
 STEP = "crosstrace.step"
 JOB_ID = "crosstrace.job_id"
-RUN_ID = "crosstrace.run_id"      # on a step span, when its trace id follows from a run too (tracer/step.py)
+RUN_ID = "crosstrace.run_id"      # on step, collective and p2p spans where the run is known (tracer/step.py)
 
 # Collectives: the same collective has the same (group, seq) on every rank.
 COLL_GROUP = "collective.group"

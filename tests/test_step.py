@@ -142,6 +142,7 @@ def test_steps_without_any_provider_cost_nothing_and_work():
 
 RUN_TWICE = """
 import datetime, json
+import torch
 import torch.distributed as dist
 import crosstrace
 
@@ -151,6 +152,12 @@ crosstrace.instrument_collectives()
 for k in range(2):
     with crosstrace.step(k):
         dist.barrier()
+t = torch.ones(4)
+dist.all_reduce(t)            # outside any step: keyed within the run
+if dist.get_rank() == 0:
+    dist.send(t, 1)
+else:
+    dist.recv(t, 0)
 provider.shutdown()
 print(json.dumps({}))
 """
@@ -159,7 +166,8 @@ print(json.dumps({}))
 def test_runs_of_one_job_keep_their_steps_apart(collector):
     """A job run again into the same collector: each run's ranks agree on a run id once
     (torch.distributed's store), so step k of the two runs are two traces, not one, and
-    the collectives of the two runs, numbered alike, are not joined."""
+    the collectives and transfers of the two runs, numbered alike, are not joined, in
+    steps or outside them."""
     pytest.importorskip("torch.distributed")
     from crosstrace.collector.matching import match
 
@@ -168,8 +176,14 @@ def test_runs_of_one_job_keep_their_steps_apart(collector):
     for _ in range(2):
         run_ranks(RUN_TWICE, 2, collector, job_id="rerun")
     table = load_table(collector.store)
-    members = match(table).collective_members()
-    assert len(members) == 4 and all(len(m) == 2 and len({table.trace[r] for r in m}) == 1 for m in members)
+    matches = match(table)
+    members = matches.collective_members()
+    assert len(members) == 6 and all(len(m) == 2 for m in members)
+    in_steps = [m for m in members if table.names[table.name[m[0]]] == "barrier"]
+    assert len(in_steps) == 4 and all(len({table.trace[r] for r in m}) == 1 for m in in_steps)
+    run_of = [table.attributes[r][sc.RUN_ID] for r in range(len(table))]
+    assert all(len({run_of[r] for r in m}) == 1 for m in members)
+    assert len(matches.p2p) == 2 and all(run_of[send] == run_of[recv] for send, recv in matches.p2p.tolist())
     steps = [s for s in spans_of(table) if s["name"] == "step"]
     assert len(steps) == 8
     runs = {s["a"][sc.RUN_ID] for s in steps}

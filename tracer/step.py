@@ -61,10 +61,11 @@ def run_id() -> str:
     """What tells this run's steps from another run's of the same job id (a job run again
     into the same collector): CROSSTRACE_RUN_ID, else torchrun's run id (with its restart
     count: a restart is a new run), which every rank has from the start, else a random id
-    the ranks agree on once, at the first step after torch.distributed is initialized,
-    through its store (the first rank to ask sets it); "" before that, or without any of
-    these: step k's trace then follows from the job id alone. So steps taken before
-    init_process_group under a launcher without a run id share their traces across runs."""
+    the ranks agree on once, at the first step (or traced collective or transfer) after
+    torch.distributed is initialized, through its store (the first rank to ask sets it); ""
+    before that, or without any of these: step k's trace then follows from the job id
+    alone. So steps taken before init_process_group under a launcher without a run id
+    share their traces across runs."""
     global _run
     if _run is None:
         env = os.environ

@@ -55,7 +55,7 @@ from opentelemetry.trace.status import StatusCode
 from ...proto import semconv as sc
 from ..provider import TracerProvider, current_context
 from ..span import THREAD_IDS, Span
-from ..step import active_step
+from ..step import active_step, run_id
 
 AVAILABLE = dist.is_available()
 if AVAILABLE:
@@ -134,6 +134,16 @@ def _parent(context=None, step=_NOW):
     if step is None:
         return context
     return step if _sampled(step) else False
+
+
+def _in_run(attributes: dict) -> dict:
+    """`attributes` with this run's id (step.run_id), where there is one: the collector keys
+    a collective or a transfer outside any step within its run, so that two runs of one job
+    id, whose counters both start at 0, are not joined. Inside a step its trace does that."""
+    run = run_id()
+    if run:
+        attributes[sc.RUN_ID] = run
+    return attributes
 
 
 def _end(spans, exc: BaseException | None = None, end_time: int | None = None) -> None:
@@ -278,7 +288,7 @@ def _traced_collective(name: str, original):
                     if root_arg is not None:
                         attributes[sc.COLL_ROOT] = _global_rank(pg, params.get(root_arg, args, kwargs),
                                                                 params.get(f"group_{root_arg}", args, kwargs))
-                    span = _tracing().tracer.start_span(name, parent, attributes=attributes)
+                    span = _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
         except Exception as exc:  # tracing must not change what the call does
             failure = exc
         return _call(name, original, args, kwargs, [span] if span is not None else None, asynchronous, failure)
@@ -300,7 +310,7 @@ def _start_p2p(name: str, send: bool, peer, tag: int, tensor):
                   sc.P2P_SEQ: seq, sc.P2P_BYTES: _nbytes(tensor)}
     if extra:
         attributes.update(extra)
-    return _tracing().tracer.start_span(name, parent, attributes=attributes)
+    return _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
 
 
 def _any_source(group, tag: int):
@@ -903,7 +913,7 @@ class BucketTracer:
             attributes[sc.DDP_HOOK] = self.hook_name
         tracing = _tracing()
         ours = isinstance(tracing.provider, TracerProvider)   # then `issued` is on its clock, else epoch ns
-        span = tracing.tracer.start_span("ddp.all_reduce", parent, attributes=attributes,
+        span = tracing.tracer.start_span("ddp.all_reduce", parent, attributes=_in_run(attributes),
                                          start_time=None if ours else issued)
         if ours and isinstance(span, Span):
             span.start = issued
