@@ -371,3 +371,25 @@ def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector
     extras = t.extras[by_name(t)["epoch"]]
     assert [e[0] for e in extras["events"]] == [f"step {i}" for i in range(72, 200)]   # the newest 128
     assert len(extras["links"]) == 128
+
+
+def test_explicit_times_keep_their_differences_exactly(provider, collector):
+    """Times given by the caller (Unix ns, as OpenTelemetry takes them) land on the node's
+    clock with their differences kept to the nanosecond: a span's duration, an event's place."""
+    import time
+
+    tracer = provider.get_tracer("test")
+    t0 = time.time_ns() - 5_000_000
+    span = tracer.start_span("given", start_time=t0)
+    span.add_event("mid", timestamp=t0 + 1_234_567)
+    span.end(end_time=t0 + 2_345_678)
+    with tracer.start_as_current_span("given-current", start_time=t0 + 7) as current:
+        current.end(end_time=t0 + 1_007)
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    rows = by_name(t)
+    given, current = rows["given"], rows["given-current"]
+    assert t.end[given] - t.start[given] == 2_345_678
+    assert t.extras[given]["events"][0][1] - t.start[given] == 1_234_567
+    assert t.end[current] - t.start[current] == 1_000 and t.start[current] - t.start[given] == 7
+    assert abs(t.start[given] - (time.monotonic_ns() - 5_000_000)) < 1_000_000_000   # on the monotonic clock

@@ -13,21 +13,21 @@ _monotonic_ns = time.monotonic_ns
 class Clock:
     """local(t) = t + offset_ns + drift_ppm * 1e-6 * (t - epoch_ns), t the real monotonic time."""
 
-    __slots__ = ("offset_ns", "drift_ppm", "epoch_ns", "now")
+    __slots__ = ("offset_ns", "drift_ppm", "epoch_ns", "now", "_drift_ppb", "_wall_to_monotonic", "_wall_read_at")
 
     def __init__(self, offset_ns: int = 0, drift_ppm: float = 0.0, epoch_ns: int | None = None):
         self.offset_ns = int(offset_ns)
         self.drift_ppm = float(drift_ppm)
         self.epoch_ns = _monotonic_ns() if epoch_ns is None else int(epoch_ns)
+        self._drift_ppb = round(self.drift_ppm * 1000)
+        self._wall_read_at = None
         if not self.offset_ns and not self.drift_ppm:
             self.now = _monotonic_ns  # the hot path calls the C function directly
             return
-        offset, epoch = self.offset_ns, self.epoch_ns
-        drift_ppb = round(self.drift_ppm * 1000)
+        at = self.at
 
         def now() -> int:
-            t = _monotonic_ns()
-            return t + offset + (t - epoch) * drift_ppb // 1_000_000_000
+            return at(_monotonic_ns())
 
         self.now = now
 
@@ -35,7 +35,19 @@ class Clock:
     def simulated(self) -> bool:
         return self.now is not _monotonic_ns
 
+    def at(self, t: int) -> int:
+        """This clock's reading at the real monotonic time t."""
+        return t + self.offset_ns + (t - self.epoch_ns) * self._drift_ppb // 1_000_000_000
+
     def from_epoch_ns(self, epoch_ns: int) -> int:
         """Map a wall-clock time (ns since the Unix epoch, as OpenTelemetry passes
-        explicit start/end times) onto this clock."""
-        return self.now() + (epoch_ns - time.time_ns())
+        explicit start/end times) onto this clock. The wall and monotonic clocks run at one
+        rate (NTP slews both) and part only when the wall clock is stepped, so their
+        difference is read at most once a second: times given together keep their
+        differences exactly (a pair of clock readings per time was off by about 1 us),
+        and a step of the wall clock is taken in within a second."""
+        t = _monotonic_ns()
+        if self._wall_read_at is None or t - self._wall_read_at > 1_000_000_000:
+            self._wall_to_monotonic = _monotonic_ns() - time.time_ns()
+            self._wall_read_at = t
+        return self.at(epoch_ns + self._wall_to_monotonic)
