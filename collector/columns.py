@@ -26,13 +26,15 @@ COLUMNS = (
 
 
 def loads(data: bytes):
-    """orjson, with json's leniency for what other encoders write (NaN, Infinity). Nesting
-    too deep for either is a ValueError like any other bad JSON."""
+    """orjson, with json's leniency for NaN and Infinity (what tracers write for a float
+    JSON has no number for), which are read as the strings proto3's JSON mapping uses:
+    what crosstrace writes for other tools (JSON lines, Perfetto) stays strict JSON.
+    Nesting too deep for either is a ValueError like any other bad JSON."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         try:
-            return json.loads(data)
+            return json.loads(data, parse_constant=str)
         except RecursionError:
             raise ValueError("JSON nested too deeply") from None
 

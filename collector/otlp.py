@@ -24,8 +24,9 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ..proto import pb
 from ..proto import semconv as sc
+from ..proto.attributes_json import dumps
 from ..proto.semconv import Kind
-from .columns import BadBatch, dumps
+from .columns import BadBatch
 from .ingest import MAX_SPANS_PER_BATCH, TooLarge
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"

@@ -1,7 +1,10 @@
 """Code written against the plain OpenTelemetry API is traced by crosstrace unchanged:
 nesting, attributes, events, links, status, exceptions, W3C ids, decorators, the entry
 point. Spans go through a real collector and are read back from its store."""
+import functools
 import json
+import subprocess
+import sys
 
 import pytest
 from opentelemetry import trace
@@ -158,15 +161,35 @@ def test_force_flush_reports_failure_when_collector_is_unreachable():
     assert p.shutdown(timeout_millis=200) is False
 
 
-def test_json_unfriendly_attribute_values_survive(provider, collector):
+def test_json_unfriendly_attribute_values_survive(provider, collector, tmp_path):
+    """Values JSON has no type for travel as text; a NaN or an infinity (a loss gone NaN) as
+    the strings of proto3's JSON mapping, not as null, and exports stay strict JSON."""
     tracer = provider.get_tracer("test")
     with tracer.start_as_current_span("odd", attributes={"bytes": b"\x01\x02", "big": 1 << 70, "obj": object()}):
         pass
+    with tracer.start_as_current_span("diverged", attributes={"loss": float("nan"), "step": 7}) as span:
+        span.set_attribute("grad_norm", float("inf"))
+        span.add_event("clip", {"scale": -float("inf")})
+    with tracer.start_as_current_span("fine", attributes={"loss": 0.5}):
+        pass
     assert provider.force_flush(10_000)
     t = load_table(collector.store)
-    attrs = t.attributes[by_name(t)["odd"]]
+    rows = by_name(t)
+    attrs = t.attributes[rows["odd"]]
     assert attrs["bytes"] == "0102" and attrs["big"] == 1 << 70 and attrs["obj"].startswith("<object")
-    json.dumps(attrs)
+    assert t.attributes[rows["diverged"]] == {"loss": "NaN", "step": 7, "grad_norm": "Infinity"}
+    assert t.extras[rows["diverged"]]["events"][0][2] == {"scale": "-Infinity"}
+    assert t.attributes[rows["fine"]] == {"loss": 0.5}
+    out = tmp_path / "spans.jsonl"
+    result = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", collector.store,
+                             "--jsonl", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+    def strict(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+    exported = {s["name"]: s["attributes"] for s in map(functools.partial(json.loads, parse_constant=strict),
+                                                          out.read_text().splitlines())}
+    assert exported["diverged"] == {"loss": "NaN", "step": 7, "grad_norm": "Infinity"}
 
 
 class Boom(Exception):

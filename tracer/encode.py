@@ -5,12 +5,10 @@ span_id, parent_id, name, kind, start, end, thread, extras, attributes), one aft
 other. The exporter takes them as one list per field; each becomes one array of
 fixed-width little-endian values, and the attributes of the whole batch one JSON document.
 """
-import json
-
 import numpy as np
-import orjson
 
 from ..proto import pb
+from ..proto.attributes_json import dumps
 
 FIELDS = 10   # values per queued span, in the order above
 _U64, _I64, _U32 = np.dtype("<u8"), np.dtype("<i8"), np.dtype("<u4")
@@ -18,29 +16,6 @@ _U64, _I64, _U32 = np.dtype("<u8"), np.dtype("<i8"), np.dtype("<u4")
 
 def _column(dtype: np.dtype, values, n: int) -> bytes:
     return np.fromiter(values, dtype=dtype, count=n).tobytes()
-
-
-def _json_value(value):
-    """Attribute values JSON cannot hold (bytes, sets, arbitrary objects) travel as text."""
-    if isinstance(value, (bytes, bytearray)):
-        return value.hex()
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
-    return str(value)
-
-
-def dumps(value) -> bytes:
-    """UTF-8 JSON. orjson is ~5x faster than json, and plain orjson (string keys, JSON
-    types) twice as fast again as with the options that take the rest; json takes what
-    orjson refuses (integers beyond 64 bits)."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        pass
-    try:
-        return orjson.dumps(value, default=_json_value, option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:
-        return json.dumps(value, separators=(",", ":"), default=_json_value).encode()
 
 
 def _sparse(extras: list) -> tuple[bytes, bytes]:
