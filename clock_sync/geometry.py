@@ -120,15 +120,19 @@ def extent(poly: np.ndarray, u) -> tuple[np.ndarray, np.ndarray]:
 
 def centroid(poly: np.ndarray) -> tuple[float, float]:
     """Area centroid; the vertex mean for a degenerate (flat) polygon. Affine-equivariant,
-    so it does not depend on the choice of t0 or of units."""
-    a, b = poly[:, 0], poly[:, 1]
+    so it does not depend on the choice of t0 or of units. Computed about the first vertex:
+    an offset of hours (monotonic clocks differ by their machines' uptimes) times a drift
+    left the cross products' few-us differences to cancellation, off by up to seconds."""
+    origin = poly[0]
+    a, b = poly[:, 0] - origin[0], poly[:, 1] - origin[1]
     a2, b2 = np.roll(a, -1), np.roll(b, -1)
     cross = a * b2 - a2 * b
     area = cross.sum() / 2
     scale = np.ptp(a) * np.ptp(b)
     if abs(area) <= 1e-9 * scale or scale == 0:
-        return float(a.mean()), float(b.mean())
-    return float(((a + a2) * cross).sum() / (6 * area)), float(((b + b2) * cross).sum() / (6 * area))
+        return float(origin[0] + a.mean()), float(origin[1] + b.mean())
+    return (float(origin[0] + ((a + a2) * cross).sum() / (6 * area)),
+            float(origin[1] + ((b + b2) * cross).sum() / (6 * area)))
 
 
 def shift(poly: np.ndarray, du: float) -> np.ndarray:

@@ -64,6 +64,21 @@ def test_hull_fit_recovers_offset_and_drift_within_its_bounds():
     assert m.drift_error_ppm < 1.0 and m.error_ns < 100_000
 
 
+@pytest.mark.parametrize("days", [1, 30])
+def test_offsets_of_days_are_recovered_as_tightly_as_small_ones(days):
+    """Monotonic clocks of two machines differ by their uptimes: days, not milliseconds.
+    The estimate of such an offset was off by seconds (cancellation in the centroid)."""
+    errors = []
+    for offset in (-7.3e8, days * 86_400e9):
+        truth = Truth(offset, 50.0)
+        b, r = exchanges(truth, seconds=280, up_us=60, down_us=60)
+        m = fit(b, "udp")
+        t = np.linspace(r[0], r[-1], 500)
+        errors.append(np.abs(m.offset_at(truth.local(t)) - truth.theta(t)).max())
+        assert coverage(m, truth, r) == 1.0 and m.error_ns < 100_000
+    assert errors[1] < 20_000 and errors[1] < errors[0] + 5_000, errors
+
+
 def test_bounds_widen_away_from_samples_and_tighten_with_more_of_them():
     truth = Truth(1e6, -20.0)
     short = fit(exchanges(truth, seconds=20)[0])
