@@ -124,6 +124,11 @@ def one_of_each():
     dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * world))
     dist.broadcast(t, src=world - 1)
     dist.reduce(t, dst=0)
+    dist.gather(t, [torch.zeros(4) for _ in range(world)] if rank == 0 else None, dst=0)
+    dist.scatter(torch.zeros(4), [torch.ones(4) for _ in range(world)] if rank == world - 1 else None, src=world - 1)
+    dist.all_reduce_coalesced([t, torch.ones(2)])
+    dist.all_gather_single(torch.zeros(4 * world), t)
+    dist.reduce_scatter_single(torch.zeros(4), torch.ones(4 * world))
     dist.all_to_all([torch.zeros(2) for _ in range(world)], [torch.ones(2) for _ in range(world)])
     dist.all_to_all_single(torch.zeros(2 * world), torch.ones(2 * world))
     dist.barrier()
@@ -136,7 +141,8 @@ def one_of_each():
         dist.recv(t, prv); dist.send(t, nxt)
     for work in [dist.isend(t, nxt, tag=7), dist.irecv(torch.zeros(4), prv, tag=7)]:  # ... of isend/irecv
         work.wait()
-    ops = [dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, torch.zeros(4), prv)]
+    global kept
+    kept = ops = [dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, torch.zeros(4), prv)]
     for work in dist.batch_isend_irecv(ops):  # ... and a batch
         work.wait()
     if world == 2:                    # a receive from any source learns its sender at completion
@@ -151,6 +157,8 @@ for k in range(5):
 
 crosstrace.uninstrument_collectives()
 report["restored"] = dist.all_reduce is torch.distributed.distributed_c10d.all_reduce is torch_dist.original("all_reduce")
+# P2POps built and batched while traced, batched again untraced (torch tells their ops apart by identity)
+report["kept_ops"] = error_of(lambda: [work.wait() for work in dist.batch_isend_irecv(kept)])
 with crosstrace.step(6):
     dist.all_reduce(torch.ones(1))   # untraced now
 dist.destroy_process_group()
@@ -159,8 +167,9 @@ print(json.dumps(report))
 """
 
 PER_STEP = {"all_reduce": 2, "all_gather": 1, "all_gather_into_tensor": 1, "reduce_scatter": 1,
-            "reduce_scatter_tensor": 1, "broadcast": 1, "reduce": 1, "all_to_all": 1, "all_to_all_single": 1,
-            "barrier": 2}
+            "reduce_scatter_tensor": 1, "broadcast": 1, "reduce": 1, "gather": 1, "scatter": 1,
+            "all_reduce_coalesced": 1, "all_gather_single": 1, "reduce_scatter_single": 1,
+            "all_to_all": 1, "all_to_all_single": 1, "barrier": 2}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -170,7 +179,7 @@ def test_collectives_and_p2p_join_across_ranks(world, collector):
     for report in reports:
         traced, plain = report["no_group_error"]
         assert traced == plain and "process group" in plain.lower()
-        assert report["restored"] and report["flushed"]
+        assert report["restored"] and report["flushed"] and report["kept_ops"] is None, report
 
     rows = spans(collector)
     assert not [r for r in rows if r["status"] == Status.ERROR]
@@ -197,12 +206,14 @@ def test_collectives_and_p2p_join_across_ranks(world, collector):
                    if members[0]["a"][sc.COLL_RANKS] == list(range(0, world, 2)))
     assert evens == [0, 1, 2, 4]  # a subgroup keeps its own count
 
-    root = {r["a"][sc.COLL_OP]: r["a"].get(sc.COLL_ROOT) for r in ops}
-    assert root["broadcast"] == world - 1 and root["reduce"] == 0 and root["all_reduce"] is None
+    root = {r["name"]: r["a"].get(sc.COLL_ROOT) for r in ops}
+    assert root["broadcast"] == root["scatter"] == world - 1 and root["reduce"] == root["gather"] == 0
+    assert root["all_reduce"] is None
     nbytes = {"all_reduce": 16, "all_gather": 16, "all_gather_into_tensor": 16, "reduce_scatter": 16 * world,
-              "reduce_scatter_tensor": 16 * world, "broadcast": 16, "reduce": 16, "all_to_all": 8 * world,
-              "all_to_all_single": 8 * world, "barrier": 0}
-    assert all(r["a"][sc.COLL_BYTES] == nbytes[r["name"]] for r in ops)
+              "reduce_scatter_tensor": 16 * world, "broadcast": 16, "reduce": 16, "gather": 16, "scatter": 16,
+              "all_reduce_coalesced": 24, "all_gather_single": 16, "reduce_scatter_single": 16 * world,
+              "all_to_all": 8 * world, "all_to_all_single": 8 * world, "barrier": 0}
+    assert all(r["a"][sc.COLL_BYTES] == nbytes[r["name"]] for r in ops), {r["name"]: r["a"][sc.COLL_BYTES] for r in ops}
     waited = [r["end"] - r["start"] for r in ops if r["name"] == "all_reduce" and r["a"][sc.COLL_ASYNC]]
     assert len(waited) == 4 * world and min(waited) >= 30e6
 

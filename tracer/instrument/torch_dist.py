@@ -10,7 +10,8 @@ The keys the collector joins on (proto/semconv.py):
   process (explicit ones and DDP buckets alike, those of unsampled steps and of a rank
   that joined early under DDP's join() too), so one collective has one number on every
   rank. Also op (the family: all_gather_into_tensor is "all_gather"), bytes (this
-  rank's input), ranks (the group's global ranks), async, and root for broadcast/reduce.
+  rank's input), ranks (the group's global ranks), async, and the root of a broadcast,
+  reduce, gather or scatter.
 - Point-to-point: (p2p.src, p2p.dst, p2p.tag, p2p.seq) in global ranks; seq counts the
   messages from src to dst with that tag in the order each side posts them, which is the
   order the backends match them in.
@@ -253,8 +254,16 @@ COLLECTIVES = {
     "all_to_all_single": ("all_to_all", "input", None),
     "broadcast": ("broadcast", "tensor", "src"),
     "reduce": ("reduce", "tensor", "dst"),
+    "gather": ("gather", "tensor", "dst"),
+    "scatter": ("scatter", "tensor", "src"),
+    "all_reduce_coalesced": ("all_reduce", "tensors", None),
+    "all_gather_single": ("all_gather", "input_tensor", None),
+    "reduce_scatter_single": ("reduce_scatter", "input", None),
     "barrier": ("barrier", None, None),
 }
+# torch 2.13's successors of all_gather_into_tensor and reduce_scatter_tensor: an older torch
+# has nothing by these names to trace, and nothing to warn about.
+NEWER = {"all_gather_single", "reduce_scatter_single"}
 POINT_TO_POINT = {"send": True, "isend": True, "recv": False, "irecv": False}  # name -> is a send
 
 
@@ -351,21 +360,26 @@ def _traced_p2p(name: str, original):
     return traced
 
 
-def _traced_batch(name: str, original):
+def _traced_batch(name: str, untraced_batch):
     isend = c10d.isend
 
     def traced(p2p_op_list):
         if _local.busy:
-            return original(p2p_op_list)
-        spans, failure = [], None
+            return untraced_batch(p2p_op_list)
+        spans, failure, sends = [], None, []
         try:
             for p2p in p2p_op_list:
                 send = p2p.op == isend  # the original or its stand-in: they compare equal
                 p2p.op = c10d.isend if send else c10d.irecv  # torch tells them apart by identity
+                sends.append(send)
                 spans.append(_start_p2p("isend" if send else "irecv", send, p2p.peer, p2p.tag, p2p.tensor))
         except Exception as exc:
             spans, failure = [], exc
-        works = _call(name, original, (p2p_op_list,), {}, spans, False, failure, ended=False)
+        try:
+            works = _call(name, untraced_batch, (p2p_op_list,), {}, spans, False, failure, ended=False)
+        finally:   # the user's ops go back holding torch's own functions, which it knows after uninstrumenting
+            for p2p, send in zip(p2p_op_list, sends):
+                p2p.op = original("isend" if send else "irecv")
         recorded = [s for s in spans if s is not None]
         if not recorded:
             return works
@@ -506,6 +520,8 @@ def instrument_collectives() -> bool:
         if name in _installed:
             continue
         original = getattr(c10d, name, None)
+        if original is None and name in NEWER:
+            continue
         if original is None:
             warn_once(f"missing-{name}", f"torch {torch.__version__} has no torch.distributed.{name}; "
                                          "it is not traced")
