@@ -6,6 +6,7 @@ import json
 import pytest
 
 import crosstrace
+from crosstrace.commands.report import analyse_report
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind, Status
 from crosstrace.tracer.step import step_trace_id
@@ -178,12 +179,18 @@ def test_runs_of_one_job_keep_their_steps_apart(collector):
     table = load_table(collector.store)
     matches = match(table)
     members = matches.collective_members()
-    assert len(members) == 6 and all(len(m) == 2 for m in members)
-    in_steps = [m for m in members if table.names[table.name[m[0]]] == "barrier"]
-    assert len(in_steps) == 4 and all(len({table.trace[r] for r in m}) == 1 for m in in_steps)
+    # every instance's spans in one trace: a step's, or outside steps one every rank derives
+    assert len(members) == 6 and all(len(m) == 2 and len({table.trace[r] for r in m}) == 1 for m in members)
     run_of = [table.attributes[r][sc.RUN_ID] for r in range(len(table))]
     assert all(len({run_of[r] for r in m}) == 1 for m in members)
-    assert len(matches.p2p) == 2 and all(run_of[send] == run_of[recv] for send, recv in matches.p2p.tolist())
+    outside = [m for m in members if table.names[table.name[m[0]]] == "all_reduce"]
+    assert len(outside) == 2 and table.trace[outside[0][0]] != table.trace[outside[1][0]]   # one per run
+    assert len(matches.p2p) == 2 and all(run_of[send] == run_of[recv] and table.trace[send] == table.trace[recv]
+                                         for send, recv in matches.p2p.tolist())
+    report, _, _ = analyse_report(collector.store, quiet=True)
+    assert not any(report["unmatched"].values()), report["unmatched"]
+    loose = [t for t in report["traces"] if t["name"] == "all_reduce"]
+    assert len(loose) == 2 and all(t["nodes"] == 2 and t["collectives"]["all_reduce"]["count"] == 1 for t in loose)
     steps = [s for s in spans_of(table) if s["name"] == "step"]
     assert len(steps) == 8
     runs = {s["a"][sc.RUN_ID] for s in steps}

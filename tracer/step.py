@@ -46,8 +46,9 @@ _next_step = 0    # the number a step without an explicit number gets
 _active = None    # Context of the innermost open step in this process (see active_step)
 
 
-def step_trace_id(job_id: str, k: int, run: str = "") -> int:
-    """The 128-bit trace id of step k of a job's run: the same on every rank, never 0."""
+def step_trace_id(job_id: str, k: int | str, run: str = "") -> int:
+    """The 128-bit trace id of step k of a job's run (or of a shared_root's key): the same
+    on every rank, never 0."""
     key = f"{job_id}\x00{k}" + (f"\x00{run}" if run else "")
     digest = hashlib.blake2b(key.encode(), digest_size=16, person=b"crosstrace.step").digest()
     return int.from_bytes(digest, "big") or 1
@@ -108,6 +109,21 @@ def active_step():
     return _active
 
 
+def root_context(provider, trace_id: int):
+    """The parent context of a span that is a root of the trace `trace_id` on this rank,
+    while the other ranks' spans of that trace are roots on theirs."""
+    if isinstance(provider, TracerProvider):
+        return {_SPAN_KEY: RemoteParent(trace_id, 0)}
+    return trace_api.set_span_in_context(_origin(trace_id, sampled=True))
+
+
+def shared_root(provider, key: str):
+    """root_context of a trace every rank derives alike, from the job, the run and `key`
+    (a collective's group and number, say): a collective or transfer outside any step
+    then has all its ranks' spans in one trace, as a step has."""
+    return root_context(provider, step_trace_id(job_id_of(provider), key, run_id()))
+
+
 def _origin(trace_id: int, sampled: bool) -> NonRecordingSpan:
     """The remote parent that carries a step's trace id and sampling decision."""
     flags = _SAMPLED if sampled else _NOT_SAMPLED
@@ -148,12 +164,8 @@ class Step:
                 attributes[sc.RUN_ID] = run
             if self.attributes:
                 attributes.update(self.attributes)
-            if isinstance(provider, TracerProvider):   # a root of its trace on this rank
-                span = provider.get_tracer(__name__).start_span(
-                    self.name, {_SPAN_KEY: RemoteParent(trace_id, 0)}, attributes=attributes)
-            else:
-                parent = trace_api.set_span_in_context(_origin(trace_id, sampled=True))
-                span = provider.get_tracer(__name__).start_span(self.name, parent, attributes=attributes)
+            span = provider.get_tracer(__name__).start_span(self.name, root_context(provider, trace_id),
+                                                            attributes=attributes)
         ctx = context_with(span, current_context())
         self.span = span
         self._token = attach(ctx)

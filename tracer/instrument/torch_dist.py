@@ -56,7 +56,7 @@ from opentelemetry.trace.status import StatusCode
 from ...proto import semconv as sc
 from ..provider import TracerProvider, current_context
 from ..span import THREAD_IDS, Span
-from ..step import active_step, run_id
+from ..step import active_step, run_id, shared_root
 
 AVAILABLE = dist.is_available()
 if AVAILABLE:
@@ -123,17 +123,19 @@ def _sampled(context) -> bool | None:
     return ctx.trace_flags.sampled if ctx.is_valid else None
 
 
-def _parent(context=None, step=_NOW):
+def _parent(context=None, step=_NOW, key=None):
     """The parent context of a new span: `context` (None: the current one), else on threads
     without a context of their own the open step's, False inside an unsampled step (record
-    nothing). Given a `step` (the open step, or None, captured earlier), that one is used."""
+    nothing). Given a `step` (the open step, or None, captured earlier), that one is used.
+    With neither, the root of the trace every rank derives from `key` (a collective's or a
+    transfer's join key; step.shared_root), so that its ranks' spans still meet."""
     sampled = _sampled(current_context() if context is None else context)
     if sampled is not None:
         return context if sampled else False
     if step is _NOW:
         step = active_step()
     if step is None:
-        return context
+        return context if key is None else shared_root(_tracing().provider, key)
     return step if _sampled(step) else False
 
 
@@ -289,7 +291,7 @@ def _traced_collective(name: str, original):
             if group is not None:
                 seq = group.take()
                 asynchronous = bool(params.get("async_op", args, kwargs))
-                parent = _parent()
+                parent = _parent(key=("collective", group.name, seq))
                 if parent is not False:
                     attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
                                   sc.COLL_OP: op, sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: asynchronous,
@@ -312,7 +314,7 @@ def _start_p2p(name: str, send: bool, peer, tag: int, tensor):
     me = c10d.get_rank()
     src, dst = (me, peer) if send else (peer, me)
     seq = _pair_seq(src, dst, tag) if peer is not None else None
-    parent = _parent()
+    parent = _parent(key=None if seq is None else ("p2p", src, dst, tag, seq))
     if parent is False:
         return None
     attributes = {sc.KIND: "send" if send else "recv", sc.P2P_SRC: src, sc.P2P_DST: dst, sc.P2P_TAG: tag,
@@ -914,7 +916,7 @@ class BucketTracer:
                 warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
 
     def _span(self, bucket: "_InFlight") -> None:
-        parent = _parent(bucket.context, bucket.step)
+        parent = _parent(bucket.context, bucket.step, ("collective", self.keys.name, bucket.seq))
         if parent is False:
             return
         group, params, issued = self.keys, bucket.params, bucket.issued
