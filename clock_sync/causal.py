@@ -68,11 +68,14 @@ def violations(models: list[ClockModel], facts: Precedence) -> np.ndarray:
 
 
 def _evaluate(models, node, t):
-    """(estimate, lo, hi) of each event's node model at its local time."""
+    """(estimate, lo, hi) of each event's node model at its local time. Events are grouped
+    by node with one sort (a mask per node cost nodes x facts: 4.3 of 5.7 s at 256 ranks)."""
     est, lo, hi = np.zeros(len(t)), np.full(len(t), -np.inf), np.full(len(t), np.inf)
-    for k in np.unique(node).tolist():
-        rows = node == k
-        est[rows], lo[rows], hi[rows] = models[k].evaluate(t[rows])
+    node = np.asarray(node)
+    order = np.argsort(node.astype(np.uint16) if len(models) <= 1 << 16 else node, kind="stable")  # radix
+    for rows in np.split(order, np.flatnonzero(np.diff(node[order])) + 1):
+        if len(rows):
+            est[rows], lo[rows], hi[rows] = models[int(node[rows[0]])].evaluate(t[rows])
     return est, lo, hi
 
 
@@ -80,15 +83,38 @@ def _aligned(models, node, t) -> np.ndarray:
     return np.asarray(t, dtype=np.int64) - np.rint(_evaluate(models, node, t)[0]).astype(np.int64)
 
 
-def _bounds(models, node, t):
+def bounds(models, node, t):
+    """(lo, hi) of each event's node model at its local time."""
     return _evaluate(models, node, t)[1:]
 
 
 def refine(models: list[ClockModel], facts: Precedence) -> Refinement:
-    models = list(models)
-    if len(facts):
-        models = _correct(_tighten(models, facts), facts)
-    return Refinement(models, violations(models, facts))
+    """Tighten and correct the models by the facts that may bind (_may_bind); where the
+    correction, which interpolates between the facts' times, breaks one set aside, again
+    with that one too. Violations are counted over every fact."""
+    refined, binding = list(models), _may_bind(models, facts)
+    while binding.any():
+        some = Precedence(facts.node_a[binding], facts.t_a[binding], facts.node_b[binding], facts.t_b[binding])
+        refined = _correct(_tighten(list(models), some), some)
+        broken = gaps(refined, facts) < 0
+        if not (broken & ~binding).any():
+            break
+        binding |= broken
+    return Refinement(refined, violations(refined, facts))
+
+
+def _may_bind(models: list[ClockModel], facts: Precedence) -> np.ndarray:
+    """The facts some pair of lines the models allow could break (by less than the margin
+    the correction keeps). The others hold whatever tightening does: most facts of a
+    collective on clocks bounded to microseconds (a start before an end milliseconds
+    later). At 64 ranks they made 8 rounds of tightening and the correction's graph take
+    7.9 s and 1.2 GB per 200k spans; 1.8 s and 360 MB without them."""
+    if not len(facts):
+        return np.zeros(0, dtype=bool)
+    lo_a = bounds(models, facts.node_a, facts.t_a)[0]
+    hi_b = bounds(models, facts.node_b, facts.t_b)[1]
+    latest_a, earliest_b = facts.t_a - lo_a, facts.t_b - hi_b   # reference = local - offset
+    return ~(earliest_b - latest_a > MARGIN_NS)
 
 
 # -- step 1: sound tightening ------------------------------------------------------------------
@@ -97,8 +123,8 @@ def _tighten(models: list[ClockModel], facts: Precedence) -> list[ClockModel]:
     conflicts: set[int] = set()
     dt = (facts.t_b - facts.t_a).astype(np.float64)
     for _ in range(ROUNDS):
-        lo_a, hi_a = _bounds(models, facts.node_a, facts.t_a)
-        lo_b, hi_b = _bounds(models, facts.node_b, facts.t_b)
+        lo_a, hi_a = bounds(models, facts.node_a, facts.t_a)
+        lo_b, hi_b = bounds(models, facts.node_b, facts.t_b)
         cuts = ((facts.node_b, facts.t_b, dt + hi_a, True),     # offB(tb) <= dt + maxA(ta)
                 (facts.node_a, facts.t_a, lo_b - dt, False))    # offA(ta) >= minB(tb) - dt
         changed = False

@@ -328,6 +328,28 @@ def test_every_category_has_a_priority():
     assert set(attribution.PRIORITY) == set(CATEGORIES) - {"host.overhead"} | {REMOTE}
 
 
+def test_a_collectives_facts_are_those_its_clocks_bounds_leave_open():
+    """Clocks known to 1 us leave a 10 ms collective's start-before-end facts no room to
+    bind: none is made. Clocks known to 20 ms leave every pair open; 3 ms, the pairs of
+    the late starter and the early ender."""
+    from crosstrace.clock_sync.model import line
+    from crosstrace.collector.align import causality
+
+    s = Spans()
+    for node, (start, end) in {"a": (0.0, 10.0), "b": (1.0, 11.0), "c": (8.0, 12.0)}.items():
+        s.add("all_reduce", Kind.COLLECTIVE, start=start, end=end, node=node, **coll(0, [0, 1, 2]))
+    table, _ = build(s.spans, {"a": 0, "b": 1, "c": 2})
+    matches = match(table)
+
+    def pairs(error_ms):
+        models = [line(0.0, 0.0, 0, error_ms * MS) for _ in table.nodes]
+        row_a, _, row_b, _ = causality(table, matches, models)
+        return {(table.nodes[table.node[a]], table.nodes[table.node[b]]) for a, b in zip(row_a, row_b)}
+    assert pairs(0.001) == set()
+    assert pairs(20) == {(x, y) for x in "abc" for y in "abc" if x != y}
+    assert pairs(3) == {("c", "a"), ("c", "b")}   # a and b end >= 10 ms, c starts at 8 ms: 2 ms < 2 x 3 ms
+
+
 def test_a_collective_key_gathering_many_spans_gives_nodes_x_nodes_facts():
     """Every start before every end, per node reduced to the member that starts last and the
     one that ends first: the same bounds as all pairs, in nodes x nodes facts, where all

@@ -231,6 +231,22 @@ def test_causality_refinement_removes_violations_and_keeps_the_truth():
     assert width1 < width0                            # and it does tighten
 
 
+def test_facts_that_cannot_bind_are_set_aside_without_changing_the_bounds():
+    """Add to the RPC facts many that hold for every line the models allow (an event 10 ms
+    before another): they are set aside, and the tightened bounds are those of all facts."""
+    _, models, facts = _rpc_world()
+    loose = causal.Precedence(facts.node_a, facts.t_a - 10_000_000, facts.node_b, facts.t_b)
+    both = causal.Precedence(*(np.concatenate([getattr(facts, f), getattr(loose, f)])
+                               for f in ("node_a", "t_a", "node_b", "t_b")))
+    binding = causal._may_bind(models, both)
+    assert not binding[len(facts):].any() and binding[:len(facts)].sum() > 0
+    refined, everything = causal.refine(models, both), causal._tighten(list(models), both)
+    assert len(refined.violations) == 0
+    t = facts.t_a[::7]
+    for m, full in zip(refined.models, everything):   # the correction moves estimates, not bounds
+        assert np.allclose(np.stack(m.bounds_at(t)), np.stack(full.bounds_at(t)), rtol=0, atol=1)
+
+
 def test_contradictory_facts_are_reported_as_violations():
     _, models, facts = _rpc_world()
     # b before a and a before b by far more than any clock error: impossible.
