@@ -79,31 +79,46 @@ class ClockModel:
         return index
 
     def evaluate(self, local):
-        """(estimate, lo, hi) at each local time, in one pass over the segments."""
+        """(estimate, lo, hi) at each local time, in one pass over the segments. The times
+        are taken in order, and each hand-over only over those it decides: from its begin
+        to where the next one has taken over entirely (not every later time: a run of
+        hours has dozens of segments, and that was segments x times)."""
         t = np.asarray(local, dtype=np.int64)
         shape, t = t.shape, t.reshape(-1)
         if not self.segments:
             zero = np.zeros(shape)
             return zero, zero - math.inf, zero + math.inf
+        order = None
+        if len(self.segments) > 1 and len(t) > 1 and (t[1:] < t[:-1]).any():
+            order = np.argsort(t, kind="stable")
+            t = t[order]
         est, lo, hi = _segment_values(self.segments[0], t)
-        for left, right in zip(self.segments, self.segments[1:]):
-            # Past `left`, `right` takes over; where they overlap or leave a gap (a step or a
-            # drift change happened somewhere in there) blend the estimates and take the
+        takeovers = [_transition(left, right) for left, right in zip(self.segments, self.segments[1:])]
+        for i, (begin, end) in enumerate(takeovers):
+            # Past segment i, segment i+1 takes over; where they overlap or leave a gap (a step
+            # or a drift change happened somewhere in there) blend the estimates and take the
             # union of the intervals.
-            begin, end = _transition(left, right)
-            after = t >= begin
-            if not after.any():
+            first = int(np.searchsorted(t, begin))
+            if first == len(t):
                 break
-            r_est, r_lo, r_hi = _segment_values(right, t[after])
-            w = np.clip((t[after] - begin) / max(end - begin, 1), 0.0, 1.0)
-            l_est, l_lo, l_hi = est[after], lo[after], hi[after]
+            last = len(t)
+            if i + 1 < len(takeovers):   # from here on the next hand-over decides alone
+                next_begin, next_end = takeovers[i + 1]
+                last = max(first, int(np.searchsorted(t, next_begin + max(next_end - next_begin, 1))))
+            part = slice(first, last)
+            r_est, r_lo, r_hi = _segment_values(self.segments[i + 1], t[part])
+            w = np.clip((t[part] - begin) / max(end - begin, 1), 0.0, 1.0)
             inside = w < 1.0
-            est[after] = (1 - w) * l_est + w * r_est
-            lo[after] = np.where(inside, np.minimum(l_lo, r_lo), r_lo)
-            hi[after] = np.where(inside, np.maximum(l_hi, r_hi), r_hi)
+            est[part] = (1 - w) * est[part] + w * r_est
+            lo[part] = np.where(inside, np.minimum(lo[part], r_lo), r_lo)
+            hi[part] = np.where(inside, np.maximum(hi[part], r_hi), r_hi)
         if self.correction:
             knots, shift = self.correction
             est = est + np.interp(t.astype(np.float64), knots.astype(np.float64), shift)
+        if order is not None:
+            unsorted = np.empty_like(order)
+            unsorted[order] = np.arange(len(order))
+            est, lo, hi = est[unsorted], lo[unsorted], hi[unsorted]
         return est.reshape(shape), lo.reshape(shape), hi.reshape(shape)
 
     # -- summaries (the report's clocks section) ---------------------------------------------
