@@ -34,8 +34,10 @@ Limits: references taken before instrument_collectives() (`from torch.distribute
 all_reduce`) bypass it; ops inside torch's private _coalescing_manager are counted but
 not timed; an async op whose Work is never waited on in Python (DDP's join() hands its
 own to the reducer) is counted but has no span; a receive from any source gets its src
-and seq when it completes (best effort); torch.compile'd regions see the wrappers as
-plain Python functions.
+and seq when it completes, which pairs it right where such receives complete in the
+order they were posted (a blocking recv, irecvs waited in order), and may pair it with
+another send of its sender where they do not; torch.compile'd regions see the wrappers
+as plain Python functions.
 """
 import atexit
 import functools
