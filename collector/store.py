@@ -13,6 +13,7 @@ checked against the window of recently stored spans (collector/dedup.py).
 """
 import collections
 import dataclasses
+import itertools
 import os
 import sqlite3
 import threading
@@ -22,6 +23,7 @@ import urllib.parse
 import numpy as np
 
 from ..proto import pb
+from ..proto.semconv import CLOCK_LABEL
 from .columns import take, view
 from .dedup import RecentKeys, span_keys
 from .ingest import CheckedBatch
@@ -86,7 +88,7 @@ class Store:
         except sqlite3.DatabaseError as exc:    # OperationalError too
             raise ValueError(self._cannot_open(exc)) from None
         self._lock = threading.Lock()
-        self._node_ids: dict[str, int] = {}
+        self._node_ids: dict[tuple[str, str], tuple[int, str]] = {}   # (node id, clock) -> (row, name)
         self.recent = RecentKeys(window)
         if not readonly:
             self._load_recent_keys()
@@ -185,16 +187,37 @@ class Store:
         self.write([], rejects)
 
     def _node(self, resource: "pb.Resource", now: int) -> int:
-        node_id = resource.node_id
-        data = resource.SerializeToString()
-        self.db.execute("INSERT INTO nodes (node_id, resource, first_seen_ns, last_seen_ns) VALUES (?, ?, ?, ?) "
-                        "ON CONFLICT(node_id) DO UPDATE SET resource = excluded.resource, "
-                        "last_seen_ns = excluded.last_seen_ns", (node_id, data, now, now))
-        node = self._node_ids.get(node_id)
-        if node is None:
-            node = self.db.execute("SELECT id FROM nodes WHERE node_id = ?", (node_id,)).fetchone()[0]
-            self._node_ids[node_id] = node
+        """The node row of a batch's resource. A node is one clock: a node id that comes back
+        on another clock (Resource label `clock`: a rebooted machine, a pod rescheduled under
+        its name) is stored as "<node id>#2" (#3, ...), so that the two clocks get two
+        models rather than one that fits neither."""
+        key = (resource.node_id, resource.labels.get(CLOCK_LABEL, ""))
+        known = self._node_ids.get(key)
+        if known is None:
+            known = self._node_ids[key] = self._node_row(*key, now)
+        node, name = known
+        if name != resource.node_id:
+            resource = pb.Resource.FromString(resource.SerializeToString())
+            resource.node_id = name
+        self.db.execute("UPDATE nodes SET resource = ?, last_seen_ns = ? WHERE id = ?",
+                        (resource.SerializeToString(), now, node))
         return node
+
+    def _node_row(self, node_id: str, clock: str, now: int) -> tuple[int, str]:
+        """(row, name) of the node id on this clock, made if new. A row or a resource without
+        a clock (an older tracer's) matches any."""
+        rows = self.db.execute("SELECT id, node_id, resource FROM nodes WHERE node_id = ? OR substr(node_id, 1, ?) = ? "
+                               "ORDER BY id", (node_id, len(node_id) + 1, node_id + "#")).fetchall()
+        rows = [r for r in rows if r[1] == node_id or r[1][len(node_id) + 1:].isdigit()]
+        for row, name, data in rows:
+            theirs = pb.Resource.FromString(data).labels.get(CLOCK_LABEL, "")
+            if theirs == clock or not theirs or not clock:
+                return row, name
+        taken = {r[1] for r in rows}
+        name = node_id if not rows else next(f"{node_id}#{k}" for k in itertools.count(2) if f"{node_id}#{k}" not in taken)
+        cursor = self.db.execute("INSERT INTO nodes (node_id, resource, first_seen_ns, last_seen_ns) "
+                                 "VALUES (?, ?, ?, ?)", (name, b"", now, now))
+        return cursor.lastrowid, name
 
     def _write_one(self, checked: CheckedBatch, now: int) -> WriteResult:
         batch, cols = checked.batch, checked.cols

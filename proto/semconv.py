@@ -80,8 +80,9 @@ NODE_ID = "crosstrace.node_id"
 RANK = "crosstrace.rank"
 ROLE = "crosstrace.role"
 ERROR_BOUND_NS = "crosstrace.error_bound_ns"   # exported spans: bound on the aligned times' error
-# Resource.labels: CLOCK_LABEL=CLOCK_UNIX_EPOCH marks a node whose span times are Unix-epoch ns
-# from its wall clock (OTLP senders), not a monotonic clock; SOURCE_LABEL says how spans came in.
+# Resource.labels: CLOCK_LABEL says which clock a node's span times are on: CLOCK_UNIX_EPOCH, the
+# wall clock (OTLP senders), or a tracer's monotonic clock, "monotonic:<boot and simulation>"
+# (tracer/clock.py Clock.domain); SOURCE_LABEL says how spans came in.
 CLOCK_LABEL = "clock"
 CLOCK_UNIX_EPOCH = "unix_epoch"
 SOURCE_LABEL = "source"

@@ -101,6 +101,31 @@ def test_clocks_command_prints_each_node(collector):
     assert "n1" in text and "grpc" in text
 
 
+def test_a_node_id_back_on_another_clock_is_kept_apart(collector):
+    """A machine rebooted (or a pod rescheduled) under the same node id: its clock starts
+    again, here -20 s where it was +2 s. The two clocks get two models, each recovered; a
+    process on the first clock again (a restart without a reboot) stays the first node."""
+    epoch = time.monotonic_ns()
+    runs = [(2_000_000_000, 30.0), (-20_000_000_000, -50.0), (2_000_000_000, 30.0)]
+    for offset, drift in runs:
+        run_python(WORKER, sim_env(collector, "rebooted", offset, drift, epoch), args=("1.5",))
+    collector.stop()
+    doc = json.loads(subprocess.run([sys.executable, "-m", "crosstrace", "clocks", "--store", collector.store,
+                                     "--json"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert sorted(doc["clocks"]) == ["rebooted", "rebooted#2"]
+    store = Store(collector.store, readonly=True)
+    try:
+        models = fit_models(store)
+        starts = {node: span_starts(store, node) for node in ("rebooted", "rebooted#2")}
+    finally:
+        store.close()
+    for node, (offset, drift) in zip(("rebooted", "rebooted#2"), runs):
+        t = starts[node]
+        true = injected_offset(t, offset, drift, epoch)
+        assert np.abs(models[node].offset_at(t) - true).max() < 1_000_000, node
+        assert np.all(np.abs(models[node].offset_at(t) - true) <= models[node].error_at(t) + 1), node
+
+
 def test_rpc_spans_are_causally_consistent_after_alignment(collector):
     """Server and client with clocks 0.3 s apart: on the aligned timeline every server span
     lies inside its client span, and the refinement leaves no violation."""

@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - another grpc layout: imported on first
     pass
 
 from ..proto import pb
+from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_sample
 from .encode import FIELDS, batches, encode_spans
@@ -91,10 +92,11 @@ def _noop() -> None:
     pass
 
 
-def build_resource(cfg) -> "pb.Resource":
+def build_resource(cfg, clock) -> "pb.Resource":
     return pb.Resource(node_id=cfg.node_id, host=socket.gethostname(), rank=cfg.rank,
                        world_size=cfg.world_size, local_rank=cfg.local_rank, role=cfg.role,
-                       job_id=cfg.job_id, pid=os.getpid(), service_name=cfg.service_name, labels=cfg.labels)
+                       job_id=cfg.job_id, pid=os.getpid(), service_name=cfg.service_name,
+                       labels={**cfg.labels, CLOCK_LABEL: clock.domain()})
 
 
 class _Pending:
@@ -119,7 +121,7 @@ class Exporter:
         self.cfg = cfg
         self.clock = clock
         self.queue = queue
-        self.resource = build_resource(cfg)
+        self.resource = build_resource(cfg, clock)
         self.session_id = os.urandom(16)
         self.dropped = 0                    # spans given up after they were batched
         self.rejected: collections.Counter = collections.Counter()
