@@ -46,7 +46,8 @@ class Clock:
                 boot = f.read().strip()
         except OSError:   # not Linux: one domain per node id, as before
             boot = ""
-        simulated = f"{self.offset_ns}/{self.drift_ppm}/{self.epoch_ns}" if self.simulated else ""
+        simulated = f"{self.offset_ns}/{self.drift_ppm}/{self.epoch_ns if self._drift_ppb else ''}" \
+            if self.simulated else ""   # without drift the epoch does not change the clock
         return "monotonic:" + hashlib.blake2b(f"{boot}|{simulated}".encode(), digest_size=8).hexdigest()
 
     def at(self, t: int) -> int:
