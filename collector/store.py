@@ -35,6 +35,10 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (
     id INTEGER PRIMARY KEY, node_id TEXT NOT NULL UNIQUE, resource BLOB NOT NULL,
     first_seen_ns INTEGER NOT NULL, last_seen_ns INTEGER NOT NULL);
+-- the node id a row's tracers send and the clock its spans are on, set by the first batch that
+-- names a clock (Store._node_row); rows named "<node id>#2", ... hold a node id back on another clock
+CREATE TABLE IF NOT EXISTS node_clocks (node INTEGER PRIMARY KEY, base TEXT NOT NULL, clock TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS node_clocks_base ON node_clocks (base);
 CREATE TABLE IF NOT EXISTS sessions (
     session_id BLOB PRIMARY KEY, node INTEGER NOT NULL, pid INTEGER NOT NULL,
     dropped INTEGER NOT NULL, last_seq INTEGER NOT NULL);
@@ -204,20 +208,30 @@ class Store:
         return node
 
     def _node_row(self, node_id: str, clock: str, now: int) -> tuple[int, str]:
-        """(row, name) of the node id on this clock, made if new. A row or a resource without
-        a clock (an older tracer's) matches any."""
-        rows = self.db.execute("SELECT id, node_id, resource FROM nodes WHERE node_id = ? OR substr(node_id, 1, ?) = ? "
-                               "ORDER BY id", (node_id, len(node_id) + 1, node_id + "#")).fetchall()
-        rows = [r for r in rows if r[1] == node_id or r[1][len(node_id) + 1:].isdigit()]
-        for row, name, data in rows:
-            theirs = pb.Resource.FromString(data).labels.get(CLOCK_LABEL, "")
-            if theirs == clock or not theirs or not clock:
+        """(row, name) of the node id on this clock, made if new. A batch that names no clock
+        (an older tracer's) takes the node id's first row; a row no such batch has claimed
+        yet is claimed by the first clock that comes."""
+        db = self.db
+        rows = db.execute("SELECT n.id, n.node_id, c.clock FROM nodes n LEFT JOIN node_clocks c ON c.node = n.id "
+                          "WHERE c.base = ? OR (c.node IS NULL AND n.node_id = ?) ORDER BY n.id",
+                          (node_id, node_id)).fetchall()
+        for row, name, theirs in rows:
+            if theirs == clock or not clock:
                 return row, name
-        taken = {r[1] for r in rows}
-        name = node_id if not rows else next(f"{node_id}#{k}" for k in itertools.count(2) if f"{node_id}#{k}" not in taken)
-        cursor = self.db.execute("INSERT INTO nodes (node_id, resource, first_seen_ns, last_seen_ns) "
-                                 "VALUES (?, ?, ?, ?)", (name, b"", now, now))
-        return cursor.lastrowid, name
+        for row, name, theirs in rows:
+            if theirs is None:
+                db.execute("INSERT INTO node_clocks VALUES (?, ?, ?)", (row, node_id, clock))
+                return row, name
+        name = node_id
+        for k in itertools.count(2):
+            if not db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (name,)).fetchone():
+                break
+            name = f"{node_id}#{k}"
+        row = db.execute("INSERT INTO nodes (node_id, resource, first_seen_ns, last_seen_ns) VALUES (?, ?, ?, ?)",
+                         (name, b"", now, now)).lastrowid
+        if clock:
+            db.execute("INSERT INTO node_clocks VALUES (?, ?, ?)", (row, node_id, clock))
+        return row, name
 
     def _write_one(self, checked: CheckedBatch, now: int) -> WriteResult:
         batch, cols = checked.batch, checked.cols

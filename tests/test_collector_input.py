@@ -321,3 +321,29 @@ def idle_requests(seconds: float):
     """A request iterator that sends nothing for a while (an idle stream)."""
     time.sleep(seconds)
     yield from ()
+
+
+def test_a_node_id_on_another_clock_gets_a_row_of_its_own_for_good(tmp_path):
+    """Rows are keyed by (node id, clock label), kept across collector restarts; a batch
+    that names no clock (an older tracer's) takes the node id's first row; a node id that
+    itself ends in '#2' is not taken for another's second clock."""
+    from crosstrace.collector.ingest import check
+
+    def node_of(store, node_id, clock=None):
+        b = pb.SpanBatch(session_id=np.random.bytes(16), seq=1, resource=pb.Resource(node_id=node_id))
+        if clock:
+            b.resource.labels["clock"] = clock
+        store.write([check(b)])
+        return {r.node_id: i for i, r in store.nodes().items()}, store._node_ids[(node_id, clock or "")][1]
+
+    path = str(tmp_path / "store.db")
+    with Store(path) as store:
+        assert node_of(store, "n#2", "monotonic:A")[1] == "n#2"   # a tracer's own node id
+        assert node_of(store, "n")[1] == "n"                        # an older tracer: claims nothing
+        assert node_of(store, "n", "monotonic:Y")[1] == "n"         # the first clock claims the row
+        assert node_of(store, "n")[1] == "n"
+        assert node_of(store, "n", "monotonic:X")[1] == "n#3"       # '#2' is another node's
+        rows, _ = node_of(store, "n", "monotonic:Y")
+    with Store(path) as store:                                       # the collector restarted
+        assert node_of(store, "n", "monotonic:Y")[1] == "n" and node_of(store, "n", "monotonic:X")[1] == "n#3"
+        assert node_of(store, "n#2", "monotonic:A")[0] == rows and set(rows) == {"n", "n#2", "n#3"}
