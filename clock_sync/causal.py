@@ -30,6 +30,7 @@ from .fit import MAX_DRIFT_PPM, centre
 from .model import ClockModel
 
 ROUNDS = 8              # tightening passes; each one lets a cut travel one node further
+BEYOND_BOUND = "corrected_beyond_bound"   # a model the correction moved outside its bounds
 MARGIN_NS = 1           # aligned times are rounded to ns: keep this much slack
 KNOT_NS = 1 * 10**9     # spacing of the correction's knots
 # The correction may change no faster than a clock can drift, so it never reorders a
@@ -188,7 +189,7 @@ def _correct(models: list[ClockModel], facts: Precedence) -> list[ClockModel]:
     x, flag = _nearest_zero(knots.n, src, dst, weight, lower, upper), None
     if x is None:   # the bounds themselves contradict the trace
         x, flag = _nearest_zero(knots.n, src, dst, weight, np.full(knots.n, -_FAR), np.full(knots.n, _FAR)), \
-            "corrected_beyond_bound"
+            BEYOND_BOUND
     if x is None:   # the facts contradict each other: no clock can fix that
         return [m.with_flags("causality_cycle") for m in models]
     out = []

@@ -218,14 +218,19 @@ def align(table: SpanTable, models: dict[str, ClockModel], epoch_offset_ns: int 
     if matches is None:
         matches = match(table)
     node_models = [models.get(node_id) or unknown() for node_id in table.nodes]
-    row_a, a_end, row_b, b_end = causality(table, matches, node_models)
     known = np.array([m.known for m in node_models] + [False], dtype=bool)
     node = table.node.astype(np.int64)
-    usable = known[node[row_a]] & known[node[row_b]]
-    row_a, a_end, row_b, b_end = row_a[usable], a_end[usable], row_b[usable], b_end[usable]
-    facts = causal.Precedence(node[row_a], np.where(a_end, table.end[row_a], table.start[row_a]),
-                              node[row_b], np.where(b_end, table.end[row_b], table.start[row_b]))
-    refined = causal.refine(node_models, facts)
+    for bounded in (node_models, None):
+        # Facts the clocks' bounds leave no room to break are not made; where the trace
+        # contradicts the bounds and the correction had to leave them, every fact is made.
+        row_a, a_end, row_b, b_end = causality(table, matches, bounded)
+        usable = known[node[row_a]] & known[node[row_b]]
+        row_a, a_end, row_b, b_end = row_a[usable], a_end[usable], row_b[usable], b_end[usable]
+        facts = causal.Precedence(node[row_a], np.where(a_end, table.end[row_a], table.start[row_a]),
+                                  node[row_b], np.where(b_end, table.end[row_b], table.start[row_b]))
+        refined = causal.refine(node_models, facts)
+        if not any(causal.BEYOND_BOUND in m.flags for m in refined.models):
+            break
     node_models = refined.models
     if len(refined.violations):
         involved = np.concatenate([facts.node_a[refined.violations], facts.node_b[refined.violations]])

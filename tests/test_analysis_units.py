@@ -350,6 +350,25 @@ def test_a_collectives_facts_are_those_its_clocks_bounds_leave_open():
     assert pairs(3) == {("c", "a"), ("c", "b")}   # a and b end >= 10 ms, c starts at 8 ms: 2 ms < 2 x 3 ms
 
 
+def test_facts_left_out_by_the_bounds_come_back_where_the_trace_breaks_the_bounds():
+    """Clocks 'known to 1 us' that the trace contradicts by 10 ms: the correction has to
+    leave a bound, and then the facts the bounds had ruled out must hold too (c's g3
+    all_reduce must not end before b's begins)."""
+    from crosstrace.clock_sync.model import line
+    from crosstrace.collector.align import align
+
+    s = Spans()
+    s.add("all_reduce", Kind.COLLECTIVE, start=20.0, end=30.0, node="a", **coll(0, [0, 1]))
+    s.add("all_reduce", Kind.COLLECTIVE, start=0.0, end=10.0, node="b", **coll(0, [0, 1]))
+    s.add("all_reduce", Kind.COLLECTIVE, start=200.0, end=206.0, node="b", **coll(0, [1, 2], group="g3"))
+    s.add("all_reduce", Kind.COLLECTIVE, start=199.0, end=205.0, node="c", **coll(0, [1, 2], group="g3"))
+    table, _ = build(s.spans, {"a": 0, "b": 1, "c": 2})
+    al = align(table, {n: line(0.0, 0.0, 0, 1000.0) for n in table.nodes})
+    assert al.violations == 0
+    assert al.start[0] <= al.end[1] and al.start[1] <= al.end[0]
+    assert al.start[2] <= al.end[3] and al.start[3] <= al.end[2]
+
+
 def test_a_collective_key_gathering_many_spans_gives_nodes_x_nodes_facts():
     """Every start before every end, per node reduced to the member that starts last and the
     one that ends first: the same bounds as all pairs, in nodes x nodes facts, where all
