@@ -1,6 +1,7 @@
 """The JSON of a batch's attributes and extras (SpanBatch.attributes_json, extras_json), as
 tracers and the collector's OTLP receiver write it."""
 import json
+import math
 
 import orjson
 
@@ -18,8 +19,9 @@ def dumps(value) -> bytes:
     """UTF-8 JSON. orjson is ~5x faster than json, and plain orjson (string keys, JSON
     types) twice as fast again as with the options that take the rest; json takes what
     orjson refuses (integers beyond 64 bits). orjson writes a NaN or an infinity as null,
-    which would hide a loss gone NaN: where a value came out null, json writes the whole
-    document again, with NaN and Infinity (which the collector reads)."""
+    which would hide a loss gone NaN: where it wrote more nulls than a batch has spans
+    without attributes, and a value is a NaN or an infinity, json writes the whole document
+    again, with NaN and Infinity (which the collector reads)."""
     try:
         data = orjson.dumps(value)
     except TypeError:
@@ -27,11 +29,35 @@ def dumps(value) -> bytes:
             data = orjson.dumps(value, default=_json_value, option=orjson.OPT_NON_STR_KEYS)
         except TypeError:
             data = None
-    if data is not None and b":null" not in data:
+    if data is not None and (data.count(b"null") == _nones(value) or not _non_finite(value)):
         return data
     try:
-        return json.dumps(value, separators=(",", ":"), default=_json_value).encode()
+        return json.dumps(value, separators=(",", ":"), default=_json_value, ensure_ascii=False).encode()
     except TypeError:   # keys json cannot write: orjson's text of them, nulls and all
         if data is None:
             raise
         return data
+
+
+def _nones(value) -> int:
+    """The nulls a batch's own list holds (spans without attributes), found at C speed."""
+    return value.count(None) if isinstance(value, list) else 0
+
+
+def _non_finite(value) -> bool:
+    """Whether a NaN or an infinity is anywhere in `value`: a walk (without recursion or
+    generators, the cheapest in Python), on the rare batch where orjson wrote a null it was
+    not given at the top. orjson refuses cycles, so there are none."""
+    stack = [value]
+    isfinite = math.isfinite
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is float:
+            if not isfinite(item):
+                return True
+        elif kind is dict:
+            stack.extend(item.values())
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+    return False
