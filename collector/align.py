@@ -100,12 +100,15 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int) -> dict[s
     for node, s in sources.items():
         models[node] = combine({**s.direct, **{n: compose(b, utc_link) for n, b in s.to_utc.items()}})
     # Piggyback samples go through the peer's model; a chain edge -> gateway -> cloud needs
-    # one round per hop.
+    # one round per hop. A sample names its peer by node id, which does not say which clock
+    # of a node id that came back on another ("<node id>#2", Store._node): such peers are
+    # left out rather than taken through the wrong clock.
+    reused = {base for base, _, k in (name.rpartition("#") for name in sources) if base and k.isdigit()}
     used: dict[str, set] = {node: set() for node in sources}
     for _ in range(len(sources)):
         changed = False
         for node, s in sources.items():
-            peers = {peer for peer in s.to_peer if peer in models and models[peer].known}
+            peers = {peer for peer in s.to_peer if peer in models and models[peer].known and peer not in reused}
             if peers <= used[node]:
                 continue
             used[node] = peers
