@@ -103,6 +103,21 @@ def pair(ids_a: np.ndarray, rows_a: np.ndarray, ids_b: np.ndarray, rows_b: np.nd
     return pairs, rows_a[lone_a].astype(np.int64), rows_b[lone_b].astype(np.int64)
 
 
+def _same_size(table: SpanTable, pairs: np.ndarray, lone_sends: np.ndarray, lone_recvs: np.ndarray):
+    """(pairs, lone sends, lone receives) less the pairs whose sizes differ, which are not
+    one message (torch requires a receive's size to be the send's): a receive from any
+    source, numbered when it completes (tracer/instrument/torch_dist.py), can take another
+    send's number. Those stay unmatched rather than joined wrong."""
+    if not len(pairs):
+        return pairs, lone_sends, lone_recvs
+    sent, got = table.attr(sc.P2P_BYTES, pairs[:, 0].tolist()), table.attr(sc.P2P_BYTES, pairs[:, 1].tolist())
+    differ = np.array([a is not None and b is not None and a != b for a, b in zip(sent, got)], dtype=bool)
+    if not differ.any():
+        return pairs, lone_sends, lone_recvs
+    return (pairs[~differ], np.sort(np.concatenate([lone_sends, pairs[differ, 0]])),
+            np.sort(np.concatenate([lone_recvs, pairs[differ, 1]])))
+
+
 def scopes(table: SpanTable) -> np.ndarray:
     """What each span's sequence number (a collective's, a transfer's) counts within, as one
     int: its job, and its step's trace where it ran in a step (a trace whose root span
@@ -147,7 +162,7 @@ def match(table: SpanTable) -> Matches:
     sends = np.flatnonzero(kind == Kind.SEND)
     recvs = np.flatnonzero(kind == Kind.RECV)
     ids = intern(_p2p_keys(table, sends, scope) + _p2p_keys(table, recvs, scope))
-    p2p, lone_sends, lone_recvs = pair(ids[:len(sends)], sends, ids[len(sends):], recvs)
+    p2p, lone_sends, lone_recvs = _same_size(table, *pair(ids[:len(sends)], sends, ids[len(sends):], recvs))
 
     # Collectives: every participant of one instance has the same (scope, group, seq).
     colls = np.flatnonzero(kind == Kind.COLLECTIVE)

@@ -328,6 +328,22 @@ def test_every_category_has_a_priority():
     assert set(attribution.PRIORITY) == set(CATEGORIES) - {"host.overhead"} | {REMOTE}
 
 
+def test_a_send_and_a_receive_of_different_sizes_are_not_paired():
+    """Two receives from any source waited out of order took each other's numbers: the
+    sizes tell, and the pairs stay unmatched rather than joined wrong."""
+    s = Spans()
+    s.add("send", Kind.SEND, 0, 1, "a", **p2p(0, 1, 0, **{sc.P2P_BYTES: 4}))
+    s.add("send", Kind.SEND, 2, 3, "a", **p2p(0, 1, 1, **{sc.P2P_BYTES: 16}))
+    s.add("recv", Kind.RECV, 0, 5, "b", **p2p(0, 1, 1, **{sc.P2P_BYTES: 4}))
+    s.add("recv", Kind.RECV, 0, 6, "b", **p2p(0, 1, 0, **{sc.P2P_BYTES: 16}))
+    s.add("send", Kind.SEND, 7, 8, "a", **p2p(0, 1, 2, **{sc.P2P_BYTES: 8}))
+    s.add("recv", Kind.RECV, 6, 9, "b", **p2p(0, 1, 2, **{sc.P2P_BYTES: 8}))
+    table, _ = build(s.spans, {"a": 0, "b": 1})
+    m = match(table)
+    assert m.p2p.tolist() == [[4, 5]]
+    assert m.unmatched["send"].tolist() == [0, 1] and m.unmatched["recv"].tolist() == [2, 3]
+
+
 def test_a_collectives_facts_are_those_its_clocks_bounds_leave_open():
     """Clocks known to 1 us leave a 10 ms collective's start-before-end facts no room to
     bind: none is made. Clocks known to 20 ms leave every pair open; 3 ms, the pairs of

@@ -36,7 +36,8 @@ not timed; an async op whose Work is never waited on in Python (DDP's join() han
 own to the reducer) is counted but has no span; a receive from any source gets its src
 and seq when it completes, which pairs it right where such receives complete in the
 order they were posted (a blocking recv, irecvs waited in order), and may pair it with
-another send of its sender where they do not; torch.compile'd regions see the wrappers
+another send of its sender where they do not (the collector unpairs those whose sizes
+differ); torch.compile'd regions see the wrappers
 as plain Python functions.
 """
 import atexit
