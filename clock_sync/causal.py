@@ -84,9 +84,23 @@ def _aligned(models, node, t) -> np.ndarray:
     return np.asarray(t, dtype=np.int64) - np.rint(_evaluate(models, node, t)[0]).astype(np.int64)
 
 
-def bounds(models, node, t):
-    """(lo, hi) of each event's node model at its local time."""
+def _bounds(models, node, t):
     return _evaluate(models, node, t)[1:]
+
+
+def reference_window(models, node, t) -> tuple[np.ndarray, np.ndarray]:
+    """(earliest, latest) reference time of each event: its local time less the largest
+    and the smallest offset its node's model allows."""
+    lo, hi = _bounds(models, node, t)
+    return t - hi, t - lo
+
+
+def may_bind(latest_a, earliest_b) -> np.ndarray:
+    """Whether "a before b" could be broken by lines the models allow, given a's latest and
+    b's earliest reference time (or by less than the margin the correction keeps). A fact
+    that cannot hold whatever tightening does: most facts of a collective on clocks bounded
+    to microseconds (a start before an end milliseconds later)."""
+    return ~(earliest_b - latest_a > MARGIN_NS)
 
 
 def refine(models: list[ClockModel], facts: Precedence) -> Refinement:
@@ -105,17 +119,12 @@ def refine(models: list[ClockModel], facts: Precedence) -> Refinement:
 
 
 def _may_bind(models: list[ClockModel], facts: Precedence) -> np.ndarray:
-    """The facts some pair of lines the models allow could break (by less than the margin
-    the correction keeps). The others hold whatever tightening does: most facts of a
-    collective on clocks bounded to microseconds (a start before an end milliseconds
-    later). At 64 ranks they made 8 rounds of tightening and the correction's graph take
-    7.9 s and 1.2 GB per 200k spans; 1.8 s and 360 MB without them."""
+    """may_bind per fact. The others, at 64 ranks, made 8 rounds of tightening and the
+    correction's graph take 7.9 s and 1.2 GB per 200k spans; 1.8 s and 360 MB without them."""
     if not len(facts):
         return np.zeros(0, dtype=bool)
-    lo_a = bounds(models, facts.node_a, facts.t_a)[0]
-    hi_b = bounds(models, facts.node_b, facts.t_b)[1]
-    latest_a, earliest_b = facts.t_a - lo_a, facts.t_b - hi_b   # reference = local - offset
-    return ~(earliest_b - latest_a > MARGIN_NS)
+    return may_bind(reference_window(models, facts.node_a, facts.t_a)[1],
+                    reference_window(models, facts.node_b, facts.t_b)[0])
 
 
 # -- step 1: sound tightening ------------------------------------------------------------------
@@ -124,8 +133,8 @@ def _tighten(models: list[ClockModel], facts: Precedence) -> list[ClockModel]:
     conflicts: set[int] = set()
     dt = (facts.t_b - facts.t_a).astype(np.float64)
     for _ in range(ROUNDS):
-        lo_a, hi_a = bounds(models, facts.node_a, facts.t_a)
-        lo_b, hi_b = bounds(models, facts.node_b, facts.t_b)
+        lo_a, hi_a = _bounds(models, facts.node_a, facts.t_a)
+        lo_b, hi_b = _bounds(models, facts.node_b, facts.t_b)
         cuts = ((facts.node_b, facts.t_b, dt + hi_a, True),     # offB(tb) <= dt + maxA(ta)
                 (facts.node_a, facts.t_a, lo_b - dt, False))    # offA(ta) >= minB(tb) - dt
         changed = False

@@ -89,21 +89,22 @@ def fit_models(store) -> dict[str, ClockModel]:
         if row[0] in resources:
             rows_by_node[resources[row[0]].node_id].append(row)
     epoch = int(store.meta("epoch_offset_ns") or 0)
-    return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch)
+    return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch,
+                       store.reused_node_ids())
 
 
-def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int) -> dict[str, ClockModel]:
-    """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers."""
+def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
+                reused: set[str] = frozenset()) -> dict[str, ClockModel]:
+    """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers,
+    but for peers whose node id came back on another clock (`reused`, Store.reused_node_ids):
+    a sample names its peer by node id, which does not say which of its clocks it met."""
     direct = {node: combine(s.direct) for node, s in sources.items()}
     utc_link = _utc_link(sources, direct, epoch_offset_ns)
     models = {}
     for node, s in sources.items():
         models[node] = combine({**s.direct, **{n: compose(b, utc_link) for n, b in s.to_utc.items()}})
     # Piggyback samples go through the peer's model; a chain edge -> gateway -> cloud needs
-    # one round per hop. A sample names its peer by node id, which does not say which clock
-    # of a node id that came back on another ("<node id>#2", Store._node): such peers are
-    # left out rather than taken through the wrong clock.
-    reused = {base for base, _, k in (name.rpartition("#") for name in sources) if base and k.isdigit()}
+    # one round per hop.
     used: dict[str, set] = {node: set() for node in sources}
     for _ in range(len(sources)):
         changed = False
@@ -154,8 +155,8 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(row_a, a_is_end, row_b, b_is_end): event a happens before event b. Given the nodes'
     models, a collective's every-start-before-every-end facts are only those that may
-    bind (causal._may_bind's test): ranks x ranks facts per instance came to 22M (and
-    8 GB) for 512 ranks' 194k spans, when clocks bounded to microseconds leave none."""
+    bind (causal.may_bind): ranks x ranks facts per instance came to 22M (and 8 GB) for
+    512 ranks' 194k spans, when clocks bounded to microseconds leave none."""
     parts = []
     if len(matches.rpc):
         client, server = matches.rpc[:, 0], matches.rpc[:, 1]
@@ -171,18 +172,18 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
         rows = matches.coll_rows
         latest, earliest = np.full(len(table), np.inf), np.full(len(table), -np.inf)
         node = table.node[rows].astype(np.int64)
-        latest[rows] = table.start[rows] - causal.bounds(models, node, table.start[rows])[0]
-        earliest[rows] = table.end[rows] - causal.bounds(models, node, table.end[rows])[1]
+        latest[rows] = causal.reference_window(models, node, table.start[rows])[1]
+        earliest[rows] = causal.reference_window(models, node, table.end[rows])[0]
     for members, op in zip(matches.collective_members(), matches.coll_op):
         if collective_pattern(op) != N_X_N or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
                                                         for r in members.tolist()):
             continue
         starts, ends = (members, members) if one_per_node else _binding_members(table, members)
-        if models is not None:
-            starts = starts[latest[starts] >= earliest[ends].min() - causal.MARGIN_NS]
+        if models is not None:   # the members whose start or end some pair may bind
+            starts = starts[causal.may_bind(latest[starts], earliest[ends].min())]
             if not len(starts):
                 continue
-            ends = ends[earliest[ends] <= latest[starts].max() + causal.MARGIN_NS]
+            ends = ends[causal.may_bind(latest[starts].max(), earliest[ends])]
         a, b = np.meshgrid(starts, ends, indexing="ij")
         rows_a.append(a.ravel())
         rows_b.append(b.ravel())

@@ -305,6 +305,15 @@ class Store:
     def nodes(self) -> dict[int, "pb.Resource"]:
         return {row[0]: pb.Resource.FromString(row[1]) for row in self.db.execute("SELECT id, resource FROM nodes")}
 
+    def reused_node_ids(self) -> set[str]:
+        """Node ids that came back on another clock (rows "<node id>#2", ...); none in a
+        store written before clocks were told apart."""
+        try:
+            rows = self.db.execute("SELECT base FROM node_clocks GROUP BY base HAVING count(*) > 1").fetchall()
+        except sqlite3.OperationalError:   # no node_clocks table: an older store, read only
+            return set()
+        return {base for (base,) in rows}
+
     def segments(self, trace_prefixes: list[str] | None = None):
         """Yield (node, SpanBatch) for every stored segment, or those that may hold a trace
         whose id starts with one of these lowercase hex prefixes (a segment lists the high

@@ -300,7 +300,8 @@ def test_clock_table_puts_flagged_nodes_and_wide_bounds_first():
     from crosstrace.collector.views.terminal import render_clocks
 
     def clock(bound, flags=()):
-        return {"offset_ns": 0, "drift_ppm": 0.0, "error_bound_ns": bound, "samples": 3, "flags": list(flags)}
+        return {"offset_ns": 0, "drift_ppm": 0.0, "error_bound_ns": bound, "drift_bound_ppm": None, "samples": 3,
+                "sources": ["udp"], "flags": list(flags)}
     clocks = {f"n{i:02d}": clock(1000 + i) for i in range(30)}
     clocks.update(n05=clock(10, ["outliers"]), n06=clock(None), n07=clock(50, ["clock_step"]))
     console = Console(record=True, width=120)

@@ -347,3 +347,4 @@ def test_a_node_id_on_another_clock_gets_a_row_of_its_own_for_good(tmp_path):
     with Store(path) as store:                                       # the collector restarted
         assert node_of(store, "n", "monotonic:Y")[1] == "n" and node_of(store, "n", "monotonic:X")[1] == "n#3"
         assert node_of(store, "n#2", "monotonic:A")[0] == rows and set(rows) == {"n", "n#2", "n#3"}
+        assert store.reused_node_ids() == {"n"}                    # not "n#2", a node id of its own

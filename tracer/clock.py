@@ -63,6 +63,6 @@ class Clock:
         and a step of the wall clock is taken in within a second."""
         t = _monotonic_ns()
         if self._wall_read_at is None or t - self._wall_read_at > 1_000_000_000:
-            self._wall_to_monotonic = _monotonic_ns() - time.time_ns()
+            self._wall_to_monotonic = t - time.time_ns()
             self._wall_read_at = t
         return self.at(epoch_ns + self._wall_to_monotonic)

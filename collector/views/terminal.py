@@ -54,26 +54,32 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
 CLOCK_ROWS, NODES_LISTED = 16, 8
 
 
-def render_clocks(clocks: dict, console: Console, rows: int = CLOCK_ROWS) -> None:
-    """Every node's clock where they fit in `rows`; else the flagged ones and the widest
-    error bounds first, and a line for the rest."""
+def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS, detail: bool = False) -> None:
+    """Every node's clock where they fit in `rows` (None: all); else the flagged ones and
+    the widest error bounds first, and a line for the rest. `detail` adds the drift's bound
+    and the sources (`crosstrace clocks`)."""
     nodes = list(clocks)
-    if len(nodes) > rows:
+    if rows is not None and len(nodes) > rows:
         def need(node):   # an unknown bound (None) is the widest
             bound = clocks[node]["error_bound_ns"]
             return not clocks[node]["flags"], -(math.inf if bound is None else bound)
         nodes = sorted(nodes, key=need)[:rows]
     rest = len(clocks) - len(nodes)
-    table = Table(title="clocks (offset = node clock - reference)"
+    table = Table(title="clocks (offset = node clock - collector clock)"
                   + (f", {len(nodes)} of {len(clocks):,} nodes: flagged and widest error bounds first" if rest else ""),
                   title_justify="left", caption_justify="left",
                   caption=f"... and {rest:,} more nodes: `crosstrace clocks` or --json" if rest else None)
-    for col in ("node", "offset", "drift", "error bound", "samples", "flags"):
-        table.add_column(col, justify="left" if col in ("node", "flags") else "right")
+    columns = [col for col in ("node", "offset", "drift", "error bound", "drift bound", "samples", "sources", "flags")
+               if detail or col not in ("drift bound", "sources")]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("node", "sources", "flags") else "right")
     for node in nodes:
         c = clocks[node]
-        table.add_row(node, fmt_ns(c["offset_ns"]), f"{c['drift_ppm']:+.3f} ppm", fmt_ns(c["error_bound_ns"]),
-                      str(c["samples"]), ", ".join(c["flags"]) or "-")
+        cells = {"node": node, "offset": fmt_ns(c["offset_ns"]), "drift": f"{c['drift_ppm']:+.3f} ppm",
+                 "error bound": fmt_ns(c["error_bound_ns"]), "samples": str(c["samples"]),
+                 "drift bound": "-" if c["drift_bound_ppm"] is None else f"{c['drift_bound_ppm']:.3f} ppm",
+                 "sources": ", ".join(c["sources"]) or "-", "flags": ", ".join(c["flags"]) or "-"}
+        table.add_row(*(cells[col] for col in columns))
     console.print(table)
 
 

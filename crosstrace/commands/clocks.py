@@ -34,19 +34,11 @@ def run(args) -> int:
         print()
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    from ..collector.views.terminal import fmt_ns
+    from ..collector.views.terminal import render_clocks
 
-    table = Table(title="clocks (offset = node clock - collector clock)", title_justify="left")
-    for col in ("node", "offset", "drift", "error bound", "drift bound", "samples", "sources", "flags"):
-        table.add_column(col, justify="left" if col in ("node", "sources", "flags") else "right")
-    for node, c in section.items():
-        drift_bound = "-" if c["drift_bound_ppm"] is None else f"{c['drift_bound_ppm']:.3f} ppm"
-        table.add_row(node, fmt_ns(c["offset_ns"]), f"{c['drift_ppm']:+.3f} ppm", fmt_ns(c["error_bound_ns"]),
-                      drift_bound, str(c["samples"]), ", ".join(c["sources"]) or "-", ", ".join(c["flags"]) or "-")
     console = Console()
-    console.print(table)
+    render_clocks(section, console, rows=None, detail=True)
     verdict = ("consistent" if not check["violations"]
                else f"[bold red]{check['violations']} still broken: a clock inconsistency[/]")
     console.print(f"causality: {check['facts']:,} facts from the trace; {verdict}")
