@@ -14,14 +14,13 @@ Exporter, wired in by `crosstrace collector`; here it is any object with
 `forward(batch)` that returns once the batch is durable.
 """
 from ..proto import pb
-
-_MEASURED_AGAINST_US = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE)
+from .store import MEASURED_HERE
 
 
 def for_upstream(batch: "pb.SpanBatch", relay_node_id: str) -> "pb.SpanBatch":
     """`batch` with its device-to-relay clock exchanges naming the relay as their peer (in place)."""
     for sample in batch.clock_samples:
-        if not sample.peer and sample.source in _MEASURED_AGAINST_US:
+        if not sample.peer and sample.source in MEASURED_HERE:
             sample.peer = relay_node_id
     return batch
 

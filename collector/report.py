@@ -8,9 +8,11 @@ Shape (stable; scripts read it):
    "summary": {trace name: {"traces", "duration": {p50_ns, p95_ns, p99_ns, mean_ns, max_ns},
                             "attribution": {category: {...}}, "segments": [{"segment", ...}]}},
    "clocks": {node_id: {"offset_ns", "drift_ppm", "error_bound_ns", "samples", ...}},
-   "dropped_spans": {node_id: n}, "rejected_spans": {reason: n}, "unmatched", "budgets"}
-All times are ns on the reference timeline (the collector's clock); add
-`epoch_offset_ns` for Unix time. Attribution keys are DESIGN.md's vocabulary.
+   "dropped_spans": {node_id: n}, "rejected_spans": {reason: n}, "unmatched", "budgets",
+   "collector_clocks": [{"clock", "shift_ns", "first_used_unix_ns"}]}
+All times are ns on the reference timeline (the collector's clock: the first one that
+wrote the store, continued through the wall clock by any later one, Store._timeline);
+add `epoch_offset_ns` for Unix time. Attribution keys are DESIGN.md's vocabulary.
 """
 import dataclasses
 import math
@@ -109,6 +111,7 @@ def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribu
         "rejected_spans": store.rejects(),
         "unmatched": {k: int(len(v)) for k, v in at.dag.unmatched.items()},
         "budgets": budgets.evaluate(budget_list, traces, a.table, at) if budget_list else [],
+        "collector_clocks": store.collector_clocks(),
     }
 
 

@@ -226,12 +226,14 @@ class Collector:
 
     def __init__(self, store_path: str, listen: str = "127.0.0.1:4327", max_streams: int = 1024,
                  sync: str = "normal", credentials: grpc.ServerCredentials | None = None,
-                 tokens: dict[str, bytes] | None = None, forward=None, now=time.monotonic_ns):
+                 tokens: dict[str, bytes] | None = None, forward=None, now=time.monotonic_ns,
+                 clock: str | None = None):
         """`credentials`: TLS (collector.security.server_credentials); `tokens`: bearer token per
         client, required on every call when given; `forward`: relay mode (collector.relay);
-        `now`: the clock that answers clock probes (a relay's, simulated in tests)."""
+        `now`: this collector's clock, which answers clock probes (a relay's, simulated in
+        tests), named `clock` (clock_sync.domain; default: this machine's monotonic clock)."""
         host, port = split_host_port(listen)    # before the store: a bad address creates nothing
-        self.store = Store(store_path, sync=sync)
+        self.store = Store(store_path, sync=sync, now=now, clock=clock)
         self.service = CollectorService(self.store, forward, now)
         self.server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="crosstrace-rpc"),

@@ -22,6 +22,7 @@ import urllib.parse
 
 import numpy as np
 
+from ..clock_sync.domain import clock_domain
 from ..proto import pb
 from ..proto.semconv import CLOCK_LABEL
 from .columns import take, view
@@ -55,6 +56,9 @@ CREATE TABLE IF NOT EXISTS clock_samples (
     offset_ns INTEGER, error_ns INTEGER, server TEXT, received_ns INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS clock_samples_node ON clock_samples (node, local_ns);
 CREATE TABLE IF NOT EXISTS rejects (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
+-- the clocks collectors wrote this store on, and what each is shifted by onto its timeline
+CREATE TABLE IF NOT EXISTS collector_clocks (
+    clock TEXT PRIMARY KEY, shift_ns INTEGER NOT NULL, first_used_unix_ns INTEGER NOT NULL);
 """
 
 
@@ -75,10 +79,19 @@ def _readonly_uri(path: str) -> str:
     return f"file:{urllib.parse.quote(path)}?mode=ro" + ("&immutable=1" if immutable else "")
 
 
-class Store:
-    """Opened by the collector for writing, and by the CLI (`readonly=True`) for reports."""
+# Clock samples of these sources with no peer were measured against the collector's clock
+MEASURED_HERE = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE)
 
-    def __init__(self, path: str, readonly: bool = False, sync: str = "normal", window: int = 8_000_000):
+
+class Store:
+    """Opened by the collector for writing, and by the CLI (`readonly=True`) for reports.
+
+    A writer is given its collector's clock, `now`, named `clock` (clock_sync.domain;
+    default: this machine's monotonic clock), and puts what it measured on the store's
+    reference timeline (_timeline)."""
+
+    def __init__(self, path: str, readonly: bool = False, sync: str = "normal", window: int = 8_000_000,
+                 now=time.monotonic_ns, clock: str | None = None):
         self.path = path
         self.readonly = readonly
         if os.path.isdir(path):
@@ -94,7 +107,10 @@ class Store:
         self._lock = threading.Lock()
         self._node_ids: dict[tuple[str, str], tuple[int, str]] = {}   # (node id, clock) -> (row, name)
         self.recent = RecentKeys(window)
+        self.now = now
+        self.shift_ns = 0
         if not readonly:
+            self.now = self._timeline(now, clock or clock_domain())
             self._load_recent_keys()
 
     def _open(self, sync: str) -> None:
@@ -112,7 +128,6 @@ class Store:
             # NORMAL: a commit survives the collector being killed; FULL: also a power loss.
             self.db.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
             self.db.executescript(_SCHEMA)
-            self._init_meta()
         self.db.execute("PRAGMA cache_size=-131072")
 
     def _check_kind(self) -> None:
@@ -148,13 +163,40 @@ class Store:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _init_meta(self) -> None:
-        # The reference timeline is the collector's monotonic clock; this offset puts it on
-        # the Unix epoch for exports. Set once, when the store is created.
-        meta = {"schema_version": str(SCHEMA_VERSION),
-                "epoch_offset_ns": str(time.time_ns() - time.monotonic_ns()),
+    def _timeline(self, now, clock: str):
+        """The store's reference timeline, read through `now`. The first collector to write
+        a store sets it: its clock, and the offset that puts it on the Unix epoch for exports.
+        A collector on another clock (its machine rebooted, the store moved to another
+        machine) continues the timeline through the wall clock: what was measured against
+        its clock is shifted by the difference of the two clocks' offsets to the wall clock,
+        kept per clock so that every restart on one clock shifts alike. Spans from before and
+        after such a hand-over are then placed relative to each other within the wall clock's
+        own error (NTP: about a millisecond), where they were an uptime apart; alignment among
+        the spans of either side stays as exact as it was. The collector still answers clock
+        probes on its own clock: a relay's answers go upstream, which knows that clock."""
+        wall_offset = time.time_ns() - now()
+        meta = {"schema_version": str(SCHEMA_VERSION), "epoch_offset_ns": str(wall_offset),
                 "created_ns": str(time.time_ns())}
-        self.db.executemany("INSERT OR IGNORE INTO meta VALUES (?, ?)", meta.items())
+        self.db.executemany("INSERT OR IGNORE INTO meta VALUES (?, ?)", meta.items())   # a new store
+        row = self.db.execute("SELECT shift_ns FROM collector_clocks WHERE clock = ?", (clock,)).fetchone()
+        if row is not None:
+            self.shift_ns = row[0]
+        else:
+            # The first clock named in a store is its timeline's: a store written before clocks
+            # were named was on it too, as far as anything tells.
+            if self.db.execute("SELECT 1 FROM collector_clocks LIMIT 1").fetchone() is not None:
+                self.shift_ns = wall_offset - int(self.meta("epoch_offset_ns"))
+            self.db.execute("INSERT INTO collector_clocks VALUES (?, ?, ?)", (clock, self.shift_ns, time.time_ns()))
+        shift = self.shift_ns
+        return now if not shift else (lambda: now() + shift)
+
+    def collector_clocks(self) -> list[dict]:
+        """The clocks collectors wrote this store on, oldest first: name, shift, first use."""
+        try:
+            rows = self.db.execute("SELECT clock, shift_ns, first_used_unix_ns FROM collector_clocks ORDER BY rowid")
+        except sqlite3.OperationalError:   # an older store, read only
+            return []
+        return [{"clock": clock, "shift_ns": shift, "first_used_unix_ns": first} for clock, shift, first in rows]
 
     def meta(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -164,7 +206,7 @@ class Store:
 
     def write(self, batches: list[CheckedBatch], rejected_whole: collections.Counter | None = None) -> list[WriteResult]:
         """Commit a group of checked batches in one transaction; returns one result per batch."""
-        now = time.monotonic_ns()
+        now = self.now()
         with self._lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
@@ -248,8 +290,7 @@ class Store:
                        (batch.session_id, node, batch.resource.pid, batch.dropped_spans, batch.seq))
         if batch.clock_samples:
             db.executemany("INSERT INTO clock_samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                           [(node, s.source, s.peer, s.t1, s.t2, s.t3, s.t4, s.local_ns, s.offset_ns,
-                             s.error_ns, s.server, now) for s in batch.clock_samples])
+                           [self._sample_row(node, s, now) for s in batch.clock_samples])
         keep = checked.keep.copy()
         keys = span_keys(cols["trace_id_hi"], cols["trace_id_lo"], cols["span_id"])
         duplicates = self._mark_duplicates(keys, keep)
@@ -260,6 +301,13 @@ class Store:
         if batch.session_id:
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)", (batch.session_id, batch.seq, accepted, duplicates))
         return WriteResult(accepted, duplicates)
+
+    def _sample_row(self, node: int, s: "pb.ClockSample", now: int) -> tuple:
+        """A clock_samples row; what was measured against this collector's clock, on the timeline."""
+        t2, t3 = s.t2, s.t3
+        if self.shift_ns and not s.peer and s.source in MEASURED_HERE:
+            t2, t3 = t2 + self.shift_ns, t3 + self.shift_ns
+        return node, s.source, s.peer, s.t1, t2, t3, s.t4, s.local_ns, s.offset_ns, s.error_ns, s.server, now
 
     def _mark_duplicates(self, keys: np.ndarray, keep: np.ndarray) -> int:
         """Clear `keep` for spans stored before or repeated within the batch; returns their count."""

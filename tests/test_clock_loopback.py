@@ -18,6 +18,7 @@ from crosstrace.collector.store import Store
 from crosstrace.collector.udp_clock import UdpClockResponder
 from crosstrace.launch import wait_until
 from crosstrace.proto import pb
+from crosstrace.tracer.clock import Clock
 
 from .conftest import run_python, tracer_env
 
@@ -200,3 +201,47 @@ def test_a_taken_udp_port_costs_only_the_udp_channel(tmp_path):
     finally:
         store.close()
     assert sources == {pb.GRPC_EXCHANGE}
+
+
+RUN = """
+import time, crosstrace
+provider = crosstrace.init()
+with provider.get_tracer("test").start_as_current_span("run"):
+    print(time.time_ns())
+    time.sleep(0.3)   # clock probes come 0.2 s after start
+provider.shutdown()
+"""
+
+
+def test_a_collector_on_another_clock_continues_the_stores_timeline(tmp_path):
+    """The collector's machine reboots between two runs on one store (its monotonic clock
+    starts again; here an hour behind). The second collector goes on with the store's
+    timeline through the wall clock: one node's samples from both runs still fit one clock,
+    and the runs' spans are as far apart as the wall clock says, not an hour off."""
+    path = str(tmp_path / "store.db")
+    env = {"CROSSTRACE_NODE_ID": "n", "CROSSTRACE_SIM_CLOCK_OFFSET_NS": "250000000"}
+    rebooted = Clock(offset_ns=-3600 * 10**9)
+    walls = []
+    for now, clock in ((time.monotonic_ns, None), (rebooted.now, rebooted.domain()), (rebooted.now, rebooted.domain())):
+        collector = Collector(path, "127.0.0.1:0", now=now, clock=clock).start()
+        try:
+            walls.append(int(run_python(RUN, {**env, "CROSSTRACE_ENDPOINT": collector.address}).stdout))
+        finally:
+            collector.stop()
+    store = Store(path, readonly=True)
+    try:
+        clocks = store.collector_clocks()
+        table = spantable.load(store)
+        models = fit_models(store)
+        al = align(table, models, int(store.meta("epoch_offset_ns")))
+    finally:
+        store.close()
+    assert [c["shift_ns"] for c in clocks][0] == 0 and len(clocks) == 2   # the third run: the second's clock
+    assert abs(clocks[1]["shift_ns"] - 3600 * 10**9) < 50_000_000
+    model = models["n"]
+    assert model.known and not model.flags and model.error_ns < 1_000_000, model
+    assert abs(model.offset_ns - 250_000_000) < 1_000_000
+    starts = np.sort(al.start[table.name == table.names.index("run")])
+    assert len(starts) == 3
+    for i in (1, 2):   # each span starts just after its process printed the wall time
+        assert abs((starts[i] - starts[0]) - (walls[i] - walls[0])) < 5_000_000

@@ -5,8 +5,9 @@ cannot corrupt durations. For tests and the demo a process can run a simulated c
 with an injected offset and drift; the collector must recover them from clock samples
 alone, so the injected values are never sent.
 """
-import hashlib
 import time
+
+from ..clock_sync.domain import clock_domain
 
 _monotonic_ns = time.monotonic_ns
 
@@ -41,14 +42,9 @@ class Clock:
         boot, where the monotonic clock starts again, and the simulated offset and drift.
         A node id that comes back on another clock (a rebooted machine, a pod rescheduled
         under its name) is then kept apart from the one it had."""
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = f.read().strip()
-        except OSError:   # not Linux: one domain per node id, as before
-            boot = ""
         simulated = f"{self.offset_ns}/{self.drift_ppm}/{self.epoch_ns if self._drift_ppb else ''}" \
             if self.simulated else ""   # without drift the epoch does not change the clock
-        return "monotonic:" + hashlib.blake2b(f"{boot}|{simulated}".encode(), digest_size=8).hexdigest()
+        return clock_domain(simulated)
 
     def at(self, t: int) -> int:
         """This clock's reading at the real monotonic time t."""

@@ -43,6 +43,11 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
     if report["rejected_spans"]:
         console.print("rejected by the collector: "
                       + ", ".join(f"{r}: {c:,}" for r, c in report["rejected_spans"].items()))
+    handovers = report.get("collector_clocks", [])[1:]
+    if handovers:
+        console.print(f"the store was written on {len(handovers) + 1} collector clocks (the collector's machine "
+                      "rebooted, or the store moved): spans on either side of a change are placed relative to "
+                      "each other within the wall clock's error, not the clocks' error bounds")
     unmatched = {k: v for k, v in report.get("unmatched", {}).items() if v}
     if unmatched:
         console.print("spans whose partner is missing (lost, sampled out or in flight): "

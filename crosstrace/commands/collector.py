@@ -63,7 +63,8 @@ def run_args(args) -> int:
     options = {}
     if args.forward_to:
         upstream, relay_clock = _upstream(args)
-        options = {"forward": Relay(upstream.cfg.node_id, upstream), "now": relay_clock.now}
+        options = {"forward": Relay(upstream.cfg.node_id, upstream), "now": relay_clock.now,
+                   "clock": relay_clock.domain()}
     try:
         return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
                    tokens=tokens, max_streams=args.max_streams, **options)
@@ -90,7 +91,7 @@ def _upstream(args):
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
         progress_interval_s: float = 10.0, **options) -> int:
     """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, max_streams,
-    forward, now)."""
+    forward, now, clock)."""
     collector = Collector(store, listen, sync=sync, **options).start()
     stop = threading.Event()
 
@@ -102,6 +103,11 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
     relay = options.get("forward")
     via = f", relaying to {relay.upstream.cfg.endpoint} as {relay.node_id}" if relay else ""
     print(f"crosstrace collector listening on {collector.address}, store {store}{via}", flush=True)
+    if collector.store.shift_ns:
+        print(f"crosstrace collector: {store} was begun on another clock (this machine rebooted, or the store "
+              f"was moved); its timeline goes on through the wall clock, {collector.store.shift_ns / 1e9:+.3f} s "
+              "from this machine's clock: spans from before and after are placed relative to each other "
+              "within the wall clock's error", file=sys.stderr, flush=True)
     stats = collector.service.stats
     last, last_t = 0, time.monotonic()
     while not stop.wait(progress_interval_s):
