@@ -89,15 +89,18 @@ def fit_models(store) -> dict[str, ClockModel]:
         if row[0] in resources:
             rows_by_node[resources[row[0]].node_id].append(row)
     epoch = int(store.meta("epoch_offset_ns") or 0)
+    on_utc = {r.node_id for r in resources.values() if r.labels.get(sc.CLOCK_LABEL) == sc.CLOCK_UNIX_EPOCH}
     return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch,
-                       store.reused_node_ids())
+                       store.reused_node_ids(), on_utc)
 
 
 def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
-                reused: set[str] = frozenset()) -> dict[str, ClockModel]:
+                reused: set[str] = frozenset(), on_utc: set[str] = frozenset()) -> dict[str, ClockModel]:
     """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers,
     but for peers whose node id came back on another clock (`reused`, Store.reused_node_ids):
-    a sample names its peer by node id, which does not say which of its clocks it met."""
+    a sample names its peer by node id, which does not say which of its clocks it met. A node
+    whose spans are stamped in UTC (`on_utc`: OTLP senders, whose times are their wall
+    clock's) and that nothing else measures is on the UTC link itself, as good as its NTP."""
     direct = {node: combine(s.direct) for node, s in sources.items()}
     utc_link = _utc_link(sources, direct, epoch_offset_ns)
     models = {}
@@ -122,6 +125,8 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
     out = {}
     for node, model in models.items():
         s = sources[node]
+        if not model.known and node in on_utc:
+            model = utc_link.with_flags("wall_clock")
         if not model.known:
             out[node] = unknown(s.samples)
             continue

@@ -133,6 +133,24 @@ def self_categories(kind: np.ndarray, pipeline: np.ndarray) -> np.ndarray:
     return rank_categories(_SELF[np.asarray(kind, dtype=np.int64)], pipeline)
 
 
+def self_kinds(table: SpanTable, dag: Dag) -> np.ndarray:
+    """Per row, the kind whose SELF_TIME its own time is: an untyped (INTERNAL) span's is
+    its nearest typed ancestor's on its own thread where that one is COMPUTE or DATA (a
+    default-kind `attention` span inside `forward` is forward's compute), else its own."""
+    kind = table.kind.astype(np.int64)
+    parent = dag.parent
+    up = np.where((parent >= 0) & (dag.lane[np.maximum(parent, 0)] == dag.lane), parent, -1)
+    found = kind.copy()
+    for _ in range(64):   # pointer doubling: log2 of the nesting depth passes (64: a parent cycle)
+        going = np.flatnonzero((found == Kind.INTERNAL) & (up >= 0))
+        if not len(going):
+            break
+        above = up[going]
+        found[going] = found[above]   # typed: the answer; untyped: look on past it
+        up[going] = up[above]
+    return np.where((kind == Kind.INTERNAL) & np.isin(found, (Kind.COMPUTE, Kind.DATA)), found, kind)
+
+
 def _uncertain(cat, length, error):
     return np.where((error > 0) & (length <= error), C["clock.uncertainty"], cat)
 
@@ -174,8 +192,9 @@ def _label_path(dag: Dag, paths: Paths, kind: np.ndarray, pipeline_row: np.ndarr
 
 def pieces(table: SpanTable, dag: Dag, start, end, error):
     """Per-rank pieces (row, start, end, category): each span split where its partner or
-    join entered. Untyped spans add none: their time is the gap category."""
-    kind = table.kind
+    join entered. Untyped spans add none (their time is the gap category), but inside a
+    typed one (self_kinds)."""
+    kind = self_kinds(table, dag)
     rows, s, e, cat, err = [], [], [], [], []
 
     def add(r, a, b, c, x=0):
@@ -383,19 +402,13 @@ def attribute_paths(table: SpanTable, alignment: Alignment, matches: Matches, da
     group_pipeline = np.zeros(n_groups, dtype=bool)
     group_pipeline[group[pp_rows]] = True
 
-    seg_cat, seg_row = _label_path(dag, paths, table.kind.astype(np.int64), group_pipeline[group])
+    seg_cat, seg_row = _label_path(dag, paths, self_kinds(table, dag), group_pipeline[group])
     critical = np.zeros((n_traces, REMOTE + 1), dtype=np.int64)
     np.add.at(critical, (paths.trace, seg_cat), paths.end - paths.start)
 
-    # Each node's window: its own spans' extent; a pipeline rank's is the whole step.
-    lo = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
-    hi = np.full(n_groups, _NEG, dtype=np.int64)
-    np.minimum.at(lo, group, start)
-    np.maximum.at(hi, group, end)
-    lo = np.where(group_pipeline, dag.trace_start[group_trace], lo)
-    hi = np.where(group_pipeline, dag.trace_end[group_trace], hi)
+    lo, hi = _windows(table, dag, start, end, group, n_groups, group_trace, group_node, group_pipeline)
+    per_rank = _per_rank(table, dag, alignment.error.astype(np.int64), group, group_trace, group_pipeline, lo, hi)
     window = hi - lo
-    per_rank = _per_rank(table, dag, alignment.error.astype(np.int64), group, group_trace, group_pipeline, window)
 
     waits, join_wait, join_transfer = _waits(table, dag, start, end)
     ops = sorted(set(matches.coll_op))
@@ -411,15 +424,48 @@ def attribute_paths(table: SpanTable, alignment: Alignment, matches: Matches, da
                        group_pipeline, window, per_rank, waits, ops, op_of_join, join_wait, join_transfer, pipelines)
 
 
-def _per_rank(table: SpanTable, dag: Dag, error, group, group_trace, group_pipeline, window) -> np.ndarray:
-    """(groups, categories + 1) ns: every instant of each node's window once."""
+def _windows(table: SpanTable, dag: Dag, start, end, group, n_groups, group_trace, group_node, group_pipeline):
+    """Per (trace, node) group, the window [lo, hi) its breakdown covers: the extent of the
+    node's top-level spans in the trace (those whose parent is on another node, or none),
+    so that an async op outliving the span it began in (a send waited on in the next step)
+    does not stretch it. A pipeline rank's reaches on to the whole step's extent, where the
+    pipeline fills and drains, but not into its own previous or next step: the ranks'
+    steps are staggered, and that time is theirs (it counted twice, as their compute and as
+    this step's bubble)."""
+    parent = dag.parent
+    top = np.flatnonzero((parent < 0) | (table.node[np.maximum(parent, 0)] != table.node))
+    lo = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(n_groups, _NEG, dtype=np.int64)
+    np.minimum.at(lo, group[top], start[top])
+    np.maximum.at(hi, group[top], end[top])
+    untopped = np.flatnonzero((lo > hi)[group])   # only a parent cycle, in broken input
+    np.minimum.at(lo, group[untopped], start[untopped])
+    np.maximum.at(hi, group[untopped], end[untopped])
+    pp = np.flatnonzero(group_pipeline)
+    pp = pp[np.lexsort((lo[pp], group_node[pp]))]   # each node's steps in order
+    same = group_node[pp[1:]] == group_node[pp[:-1]]
+    before = np.full(len(pp), _NEG, dtype=np.int64)
+    after = np.full(len(pp), np.iinfo(np.int64).max, dtype=np.int64)
+    before[1:][same], after[:-1][same] = hi[pp[:-1]][same], lo[pp[1:]][same]
+    trace_lo, trace_hi = dag.trace_start[group_trace[pp]], dag.trace_end[group_trace[pp]]
+    lo[pp] = np.minimum(lo[pp], np.maximum(trace_lo, before))
+    hi[pp] = np.maximum(hi[pp], np.minimum(trace_hi, after))
+    return lo, hi
+
+
+def _per_rank(table: SpanTable, dag: Dag, error, group, group_trace, group_pipeline, lo, hi) -> np.ndarray:
+    """(groups, categories + 1) ns: every instant of each node's window [lo, hi) once."""
     n = dag.n_rows
     start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
     span = int((dag.trace_end - dag.trace_start).max()) if len(dag.trace_start) else 0
     rows, s, e, cat = pieces(table, dag, start, end, error)
     rows, s, e, cat = _minus_children(table, dag, rows, s, e, cat, dag.trace_start[table.trace], span)
-    cat = rank_categories(cat, group_pipeline[group[rows]])
     g = group[rows]
+    s, e = np.maximum(s, lo[g]), np.minimum(e, hi[g])
+    inside = e > s
+    rows, s, e, cat, g = rows[inside], s[inside], e[inside], cat[inside], g[inside]
+    cat = rank_categories(cat, group_pipeline[g])
+    window = hi - lo
     per_rank, covered = _exclusive(g, s, e, cat, len(window), dag.trace_start[group_trace[g]], span)
     gap = np.maximum(window - covered, 0)
     per_rank[np.arange(len(window)), np.where(group_pipeline, C["bubble"], C["host.overhead"])] += gap
@@ -465,4 +511,4 @@ def _waits(table: SpanTable, dag: Dag, start, end):
     return waits, np.rint(join_wait).astype(np.int64), np.rint(join_transfer).astype(np.int64)
 
 
-__all__ = ["CATEGORIES", "REMOTE", "Attribution", "Waits", "attribute", "attribute_paths", "pieces"]
+__all__ = ["CATEGORIES", "REMOTE", "Attribution", "Waits", "attribute", "attribute_paths", "pieces", "self_kinds"]

@@ -25,7 +25,8 @@ A budget file is TOML; each [[budget]] table is one limit:
 
 Keys: `max` (required): a time ("800ns", "250us", "5ms", "1.5s") or a share of the trace
 ("10%"). `percentile` (default 100, i.e. every sample must hold; the value reported is the
-smallest sample at or above that rank, never an interpolation). `name` (optional label).
+nearest-rank percentile: the smallest sample with at least that share of the samples at or
+below it, never an interpolation; p99 of 100 samples is the second largest). `name` (optional label).
 What is measured, one sample each:
   - `span`: every matching span, its duration on the aligned timeline;
   - `category`: every trace, the time in that category; `measure` says where:
@@ -196,7 +197,7 @@ def evaluate(budgets: list[Budget], traces: list[dict], table: SpanTable, at: At
                  "percentile": b.percentile, "samples": int(len(values)), "measured": None, "ok": False,
                  "status": "no_data", "worst": []}
         if len(values):
-            measured = float(np.percentile(values, b.percentile, method="higher"))
+            measured = float(np.percentile(values, b.percentile, method="inverted_cdf"))
             top = np.argsort(-values, kind="stable")[:worst]
             ok = measured <= b.limit
             entry.update(measured=measured if b.share else round(measured), ok=bool(ok),

@@ -7,7 +7,8 @@ An edge a -> b says "a happened before b, and b may have waited for it":
   SPAN          a span's start -> its end
   THREAD        program order: each boundary -> the next one on the same (node, thread);
                 a thread passes its span starts and ends one after the other, nested or
-                not (an async op's end, its wait(), comes after the work done meanwhile)
+                not (an async op's end, its wait(), comes after the work done meanwhile).
+                In asyncio the tracer's "thread" is the task: tasks interleave on a thread
   CHILD_START   parent start -> child start;   CHILD_END: child end -> parent end
                 (for a child on another thread or node; on the same thread, THREAD says it)
   RPC_REQUEST   client start -> server start;  RPC_RESPONSE: server end -> client end
@@ -160,22 +161,41 @@ def _parents(table: SpanTable) -> np.ndarray:
     return parent
 
 
-def _thread_order(table: SpanTable, start, end, trace_start, span: int):
+def _depth(parent: np.ndarray) -> np.ndarray:
+    """How many ancestors each row has (pointer doubling: log2 of the depth passes; a
+    parent cycle, only in broken input, stops after 64)."""
+    depth = (parent >= 0).astype(np.int64)
+    up = parent.copy()
+    for _ in range(64):
+        going = np.flatnonzero(up >= 0)
+        if not len(going):
+            break
+        above = up[going]
+        depth[going] += depth[above]   # the ancestors `above` counted so far: the invariant is that
+        up[going] = up[above]          # depth counts those below up (all of them once up is -1)
+    return depth
+
+
+def _thread_order(table: SpanTable, start, end, parent, trace_start, span: int):
     """Every lane's (trace, node, thread) boundaries in the order the thread passed them:
-    by time; at equal times ends before starts, an outer span's start before an inner one's,
-    an inner span's end before an outer one's. Returns (events in that order, whether each
-    is followed by one of the same lane, lane per row, prev per row: the span that ended
-    last at or before the row's start on its lane, -1)."""
+    by time; at one instant, the ends of spans that began earlier, then starts, then the
+    ends of spans that took no time (a span's start always comes before its own end); among
+    starts an outer span's first, among ends an inner one's (by extent, then nesting depth,
+    for spans with one start and end). Returns (events in that order, whether each is
+    followed by one of the same lane, lane per row, prev per row: the span that ended last
+    at or before the row's start on its lane, -1)."""
     n = len(table)
     lane, _ = dense(table.trace, table.node, table.thread)
     rows = np.arange(n, dtype=np.int64)
     events = np.concatenate([2 * rows + 1, 2 * rows])            # ends, then starts
     lanes = np.concatenate([lane, lane])
     is_start = np.repeat(np.array([0, 1], dtype=np.int64), n)
-    tie = np.argsort(np.concatenate([-start, -end]), kind="stable")   # ends: inner first; starts: outer first
-    key = np.concatenate([end, start]) * 2 + is_start
-    base = np.concatenate([trace_start[table.trace]] * 2) * 2
-    order = tie[group_time_order(lanes[tie], key[tie], base[tie], 2 * span + 1)]
+    moment = np.concatenate([np.where(end > start, 0, 2), np.ones(n, dtype=np.int64)])
+    depth = _depth(parent)
+    tie = np.lexsort((np.concatenate([-depth, depth]), np.concatenate([-start, -end])))
+    key = np.concatenate([end, start]) * 3 + moment
+    base = np.concatenate([trace_start[table.trace]] * 2) * 3
+    order = tie[group_time_order(lanes[tie], key[tie], base[tie], 3 * span + 2)]
     events, lanes, is_start = events[order], lanes[order], is_start[order]
     same_lane_next = lanes[:-1] == lanes[1:]
     last_end = np.maximum.accumulate(np.where(is_start == 0, np.arange(2 * n), -1))
@@ -221,7 +241,7 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     span = int((trace_end - trace_start).max()) if n else 0
 
     parent = _parents(table)
-    order, same_lane_next, lane, prev = _thread_order(table, start, end, trace_start, span)
+    order, same_lane_next, lane, prev = _thread_order(table, start, end, parent, trace_start, span)
     rows = np.arange(n, dtype=np.int64)
     S, E = 2 * rows, 2 * rows + 1
     src, dst, kinds = [S], [E], [np.full(n, Edge.SPAN, np.uint8)]

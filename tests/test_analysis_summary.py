@@ -45,8 +45,8 @@ def summarise(spans, nodes):
     return traces, kind_summaries(table, at, traces)
 
 
-def higher(values, q):
-    return np.percentile(values, q, method="higher")
+def nearest_rank(values, q):
+    return np.percentile(values, q, method="inverted_cdf")
 
 
 def test_segments_of_edge_requests_at_percentiles():
@@ -62,20 +62,20 @@ def test_segments_of_edge_requests_at_percentiles():
     assert (queue["node"], queue["span"], queue["category"]) == ("cloud", "queue", "host.overhead")
     queues = np.arange(1, REQUESTS + 1) * MS
     for q in (50, 95, 99):
-        assert queue[f"p{q}_ns"] == higher(queues, q)
+        assert queue[f"p{q}_ns"] == nearest_rank(queues, q)
         assert segments["edge infer (network.uplink)"][f"p{q}_ns"] == 30 * MS
         assert segments["edge infer (network.downlink)"][f"p{q}_ns"] == 10 * MS
         assert segments["cloud inference (compute)"][f"p{q}_ns"] == 5 * MS
     pre = np.round((2 + 0.1 * np.arange(1, REQUESTS + 1)) * MS)
-    assert segments["edge preprocess (compute)"]["p95_ns"] == higher(pre, 95)
+    assert segments["edge preprocess (compute)"]["p95_ns"] == nearest_rank(pre, 95)
     assert queue["mean_ns"] == queues.mean() and queue["max_ns"] == queues.max()
     assert all(seg["traces"] == REQUESTS for seg in k["segments"])
 
     durations = np.array([t["duration_ns"] for t in traces])
-    assert k["duration"]["p99_ns"] == higher(durations, 99) == durations.max()
+    assert k["duration"]["p99_ns"] == nearest_rank(durations, 99) == durations.max()
     # Categories: compute is preprocess + inference; host.overhead the edge's 2 ms and the queue.
-    assert k["attribution"]["compute"]["p50_ns"] == higher(pre + 5 * MS, 50)
-    assert k["attribution"]["host.overhead"]["p99_ns"] == higher(queues + 2 * MS, 99)
+    assert k["attribution"]["compute"]["p50_ns"] == nearest_rank(pre + 5 * MS, 50)
+    assert k["attribution"]["host.overhead"]["p99_ns"] == nearest_rank(queues + 2 * MS, 99)
     assert set(k["attribution"]) == {"compute", "network.uplink", "network.downlink", "host.overhead"}
 
     # Per request: its own segments, in path order, adding up to its duration.
@@ -113,7 +113,7 @@ def test_terminal_shows_segments_percentiles_and_requests():
     for label in PATH:
         assert label in text
     queue_row = next(line for line in text.splitlines() if "cloud queue (host.overhead)" in line)
-    assert [cell.strip() for cell in queue_row.split("│")[2:5]] == ["11 ms", "20 ms", "20 ms"]
+    assert [cell.strip() for cell in queue_row.split("│")[2:5]] == ["10 ms", "19 ms", "20 ms"]   # nearest rank of 1..20 ms
     # The slowest requests, one column per segment: the slowest waited 20 ms in the queue.
     assert "slowest 'request' traces" in text
     rows = [line for line in text.splitlines() if "71 ms" in line and "20 ms" in line]

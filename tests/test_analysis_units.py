@@ -402,3 +402,71 @@ def test_a_collective_key_gathering_many_spans_gives_nodes_x_nodes_facts():
     first_end = {n: min(r for r in range(3000) if r % 3 == n) for n in range(3)}
     assert {(int(a), int(b)) for a, b in zip(row_a, row_b)} == {(last_start[x], first_end[y])
                                                                 for x in range(3) for y in range(3) if x != y}
+
+
+@pytest.mark.parametrize("marker_at", [40, 50])
+def test_a_span_that_takes_no_time_keeps_the_path_whole(marker_at):
+    """An instant span (a marker, or coarse OTLP timestamps) at the end of one span or in a
+    gap: its end used to come before its own start on the thread, a cycle that cut the
+    critical path there, and the time before it became host.overhead."""
+    s = Spans()
+    root = s.add("request", Kind.INTERNAL, 0, 100, "n0")
+    s.add("load", Kind.DATA, 0, 40, "n0", root)
+    s.add("marker", Kind.INTERNAL, marker_at, marker_at, "n0", root)
+    s.add("infer", Kind.COMPUTE, 60, 100, "n0", root)
+    table, at, out = analyse(s.spans, {"n0": -1})
+    check_tiles(at)
+    assert ms(out[0]["attribution"]) == {"data": 40, "compute": 40, "host.overhead": 20}
+
+
+def test_a_child_with_its_parents_start_and_end_is_inside_it():
+    """Equal start and end (OTLP's microseconds): the parent starts first and ends last,
+    though the child comes first in the store (it ended, and was exported, first)."""
+    s = Spans()
+    s.add("inner", Kind.COMPUTE, 0, 10, "n0", parent=2)
+    assert s.add("forward", Kind.COMPUTE, 0, 10, "n0") == 2
+    s.add("optimizer", Kind.COMPUTE, 10, 15, "n0")
+    table, at, out = analyse(s.spans, {"n0": -1})
+    check_tiles(at)
+    path = out[0]["critical_path"]
+    assert path[0]["span"] == "forward" and path[-1]["span"] == "optimizer"
+    assert [seg["span"] for seg in path if seg["duration_ns"]] == ["inner", "optimizer"]
+    assert ms(out[0]["attribution"]) == {"compute": 15}
+
+
+def test_an_untyped_span_inside_compute_is_compute():
+    """OpenTelemetry's default kind is INTERNAL: `attention` inside `forward` (and a span
+    inside that) is forward's compute on the path and per rank, not host.overhead; an
+    untyped span on its own stays the gap it was."""
+    s = Spans()
+    step = s.add("step", Kind.INTERNAL, 0, 100, "n0")
+    forward = s.add("forward", Kind.COMPUTE, 0, 60, "n0", step)
+    attention = s.add("attention", Kind.INTERNAL, 10, 50, "n0", forward)
+    s.add("softmax", Kind.INTERNAL, 20, 30, "n0", attention)
+    s.add("log", Kind.INTERNAL, 70, 90, "n0", step)
+    table, at, out = analyse(s.spans, {"n0": -1})
+    check_tiles(at)
+    assert ms(out[0]["attribution"]) == {"compute": 60, "host.overhead": 40}
+    assert ms(out[0]["per_rank"]["n0"]["attribution"]) == {"compute": 60, "host.overhead": 40}
+
+
+def test_a_pipeline_ranks_window_ends_where_its_next_step_begins():
+    """Steps overlap across pipeline ranks: stage 1 is 5 ms ahead, so trace 2 begins while
+    stage 0 still computes its step 1. A rank's window reaches to its trace's extent (the
+    pipeline's fill and drain are bubble) but not into its own neighbouring step: stage 0's
+    compute at 15-20 ms is step 1's, and was also step 2's bubble when every rank's window
+    was the whole trace."""
+    s = Spans()
+    attrs = {sc.PP_SCHEDULE: "ScheduleGPipe", sc.PP_NUM_STAGES: 2, sc.PP_NUM_MICROBATCHES: 1, sc.PP_STAGES_PER_RANK: 1}
+    for k, t0 in ((1, 0), (2, 20)):
+        for stage, begin, busy in ((0, t0, t0 + 10), (1, t0 - 5, t0 - 5)):
+            root = s.add("pipeline.step", Kind.INTERNAL, begin, begin + 20, f"stage{stage}", trace=k)
+            s.add("forward", Kind.COMPUTE, busy, busy + 10, f"stage{stage}", root, trace=k,
+                  **{sc.PP_STAGE: stage, sc.PP_MICROBATCH: 0, sc.PP_ACTION: "F", **attrs})
+    table, at, out = analyse(s.spans, {"stage0": 0, "stage1": 1})
+    found = {(str(k), node): (per["window_ns"] / MS, ms(per["attribution"]))
+             for k, trace in enumerate(out, 1) for node, per in trace["per_rank"].items()}
+    assert found == {("1", "stage0"): (25, {"compute": 10, "bubble": 15}),   # the fill: from trace 1's start
+                     ("1", "stage1"): (20, {"compute": 10, "bubble": 10}),
+                     ("2", "stage0"): (20, {"compute": 10, "bubble": 10}),   # from its step 1's end, not 15
+                     ("2", "stage1"): (25, {"compute": 10, "bubble": 15})}   # the drain: to trace 2's end

@@ -5,6 +5,7 @@ import concurrent.futures
 import contextlib
 import subprocess
 import sys
+import textwrap
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from crosstrace.collector import report as report_mod
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
+from crosstrace.commands.report import analyse_report
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind
 
@@ -220,3 +222,51 @@ def test_export_otlp_to_nowhere_fails_clearly(collector):
                           "--otlp", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "OTLP export to 127.0.0.1:1 failed: UNAVAILABLE" in out.stderr
+
+
+MIXED_CLIENT = """
+import json, subprocess, sys
+from opentelemetry import propagate, trace
+import crosstrace
+provider = crosstrace.init()
+tracer = trace.get_tracer("edge")
+with tracer.start_as_current_span("request"):
+    with tracer.start_as_current_span("call", kind=crosstrace.Kind.RPC_CLIENT):
+        carrier = {}
+        propagate.inject(carrier)
+        subprocess.run([sys.executable, "-c", sys.argv[1], json.dumps(carrier), sys.argv[2]], check=True, timeout=60)
+assert provider.force_flush(20000)
+provider.shutdown()
+"""
+
+OTEL_SERVICE = """
+import json, sys, time
+from opentelemetry import propagate
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind
+provider = TracerProvider(resource=Resource.create({"service.name": "svc", "host.name": "otelhost", "process.pid": 7}))
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=sys.argv[2], insecure=True, timeout=10)))
+with provider.get_tracer("svc").start_as_current_span("handle", context=propagate.extract(json.loads(sys.argv[1])),
+                                                       kind=SpanKind.SERVER):
+    time.sleep(0.01)
+provider.shutdown()
+"""
+
+
+def test_a_trace_through_an_otlp_service_is_on_one_timeline(collector):
+    """A crosstrace client calls a service traced by OpenTelemetry's SDK, which reports over
+    OTLP. The service's spans are on its wall clock and it sends no clock samples: its
+    clock is the UTC link. Left unmodelled, its Unix times sat beside the client's
+    monotonic ones, and the trace lasted 57 years."""
+    run_python(MIXED_CLIENT, tracer_env(collector, "edge"), timeout=90,
+               args=(textwrap.dedent(OTEL_SERVICE), collector.address))
+    report, _, _ = analyse_report(collector.store, quiet=True)
+    (trace,) = [t for t in report["traces"] if t["name"] == "request"]
+    assert trace["nodes"] == 2 and 10 * MS <= trace["duration_ns"] < 60 * 10**9
+    clock = report["clocks"]["otelhost/7"]
+    assert "wall_clock" in clock["flags"] and clock["error_bound_ns"] is not None
+    handle = [s for s in trace["critical_path"] if s["span"] == "handle"]
+    assert handle and all(s["node"] == "otelhost/7" for s in handle)

@@ -3,6 +3,7 @@
 Code written against the plain OpenTelemetry API is traced unchanged, either by
 `crosstrace.init()` or with OTEL_PYTHON_TRACER_PROVIDER=crosstrace (entry point).
 """
+import asyncio
 import atexit
 import functools
 import inspect
@@ -26,7 +27,16 @@ from .span import OTEL_KIND, THREAD_IDS, Span, SpanExtras, log
 _random_bits = random.getrandbits
 _new = object.__new__
 _get_ident = threading.get_ident
+_running_loop = asyncio._get_running_loop   # None, without raising, outside an event loop
 _intern_thread = THREAD_IDS.setdefault
+
+
+def _task_lane(thread: int) -> int:
+    """A span's lane (what its `thread` field names) in asyncio: its task, not the thread.
+    Tasks on one thread run interleaved, so the order of their spans' boundaries says
+    nothing of who waited for whom, which the collector reads program order as."""
+    task = asyncio.current_task()
+    return thread if task is None else id(task)
 
 
 def _context_var():
@@ -139,6 +149,8 @@ class Tracer(trace_api.Tracer):
         if context is _AT_ENTER:   # a ScopedSpan: its thread and start are those of the `with`
             return span
         thread = _get_ident()
+        if _running_loop() is not None:
+            thread = _task_lane(thread)
         span.thread = _intern_thread(thread, thread)
         span.start = self._now() if start_time is None else self._queue.clock.from_epoch_ns(start_time)
         return span
@@ -232,6 +244,8 @@ class ScopedSpan(Span):
         dict.__setitem__(ctx, _SPAN_KEY, self)
         self._token = _attach(ctx)
         thread = _get_ident()
+        if _running_loop() is not None:
+            thread = _task_lane(thread)
         self.thread = _intern_thread(thread, thread)
         self.start = self._sink.now()
         return self

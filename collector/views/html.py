@@ -112,7 +112,7 @@ def _timeline(trace: dict, index: int, analysed, at, pieces) -> str:
                      f'<text x="4" y="{top[k] + 11}" class="lane-label">{html.escape(label[:26])}</text></g>')
     # Colours as the per-rank breakdown counts them (attribution decides, not this view).
     pipeline = at.group_pipeline[at.group]
-    for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(t.kind[rows], pipeline[rows]).tolist()):
+    for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(attribution.self_kinds(t, dag)[rows], pipeline[rows]).tolist()):
         kind = _kind(int(t.kind[r]))
         y0 = top[int(t.node[r])] + d * ROW
         title = f"{t.names[t.name[r]]} ({kind.name.lower()}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
