@@ -6,6 +6,9 @@ Each tier has its own TracerProvider (its own node id and simulated clock) expor
 real collector process; the checks read what the collector stored."""
 import asyncio
 import concurrent.futures
+import gc
+import threading
+import time
 
 import grpc
 import pytest
@@ -507,3 +510,195 @@ def test_a_channel_asks_for_one_clock_sample_per_interval(collector):
     assert answered == [True] + [False] * 4
     spans, samples = load(collector)
     assert len(spans) == 2 * 9 and len(samples) == 2
+
+
+def test_a_dropped_stream_is_cancelled_and_its_span_ends(collector):
+    """grpc cancels a call whose caller drops it (a loop left with `break`). The span's
+    completion callback held the call from grpc's own state: the server went on streaming
+    until the deadline, for good without one, and the client span never ended."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="client", udp_clock=False)
+    closed = threading.Event()
+
+    def forever(request, context):
+        try:
+            while context.is_active():
+                time.sleep(0.005)
+                yield b"x"
+        finally:
+            closed.set()
+
+    server, address = sync_server(None, {"Forever": grpc.unary_stream_rpc_method_handler(forever)})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        for i, _ in enumerate(channel.unary_stream("/test.Svc/Forever")(b"r")):   # no deadline
+            if i == 2:
+                break
+        gc.collect()
+        assert closed.wait(5), "the server still streams to a client that left"
+    finally:
+        server.stop(0)
+    flush_all({"client": provider})
+    spans, _ = load(collector)
+    (span,) = spans
+    assert span["status"] == 2 and span["attributes"][sc.RPC_GRPC_STATUS] == grpc.StatusCode.CANCELLED.value[0]
+
+
+class _CachedStream(grpc.Call):
+    """What a user's interceptor may answer with (from a cache): a grpc.Call and an
+    iterator, no Future; already over, so add_callback() declines."""
+
+    def __init__(self, items):
+        self._items = iter(items)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def is_active(self):
+        return False
+
+    def time_remaining(self):
+        return None
+
+    def cancel(self):
+        return False
+
+    def add_callback(self, callback):
+        return False
+
+    def initial_metadata(self):
+        return ()
+
+    def trailing_metadata(self):
+        return ()
+
+    def code(self):
+        return grpc.StatusCode.OK
+
+    def details(self):
+        return ""
+
+
+class _Cache(grpc.UnaryStreamClientInterceptor):
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return _CachedStream([b"c1", b"c2"])
+
+
+def test_a_users_interceptor_may_answer_a_stream_itself(collector):
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="client", udp_clock=False)
+    channel = crosstrace.instrument_channel(grpc.intercept_channel(grpc.insecure_channel("127.0.0.1:1"), _Cache()),
+                                            provider)
+    assert list(channel.unary_stream("/test.Svc/Gen")(b"r", timeout=5)) == [b"c1", b"c2"]
+    flush_all({"client": provider})
+    spans, _ = load(collector)
+    assert [(s["name"], s["attributes"][sc.RPC_GRPC_STATUS]) for s in spans] == [("test.Svc/Gen", 0)]
+
+
+def test_a_server_span_past_its_deadline_says_so(collector):
+    """The client got DEADLINE_EXCEEDED; the handler returned later, and its span said OK."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="server", udp_clock=False)
+
+    def slow(request, context):
+        time.sleep(0.4)
+        return b"late"
+
+    server, address = sync_server(provider, {"Slow": grpc.unary_unary_rpc_method_handler(slow)})
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            grpc.insecure_channel(address).unary_unary("/test.Svc/Slow")(b"r", timeout=0.1)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.6)
+    finally:
+        server.stop(0)
+    flush_all({"server": provider})
+    spans, _ = load(collector)
+    (span,) = spans
+    assert span["status"] == 2
+    assert span["attributes"][sc.RPC_GRPC_STATUS] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+AIO_OUTLIVES_LOOP = """
+import asyncio, gc, sys
+import grpc
+import crosstrace
+provider = crosstrace.init(udp_clock=False)
+
+async def main():
+    channel = grpc.aio.insecure_channel(sys.argv[1], interceptors=crosstrace.aio_client_interceptors())
+    async for _ in channel.unary_stream("/test.Svc/Forever")(b"r", timeout=30):
+        break   # the loop ends with the stream still open: grpc cancels it when it is freed
+
+asyncio.run(main())
+gc.collect()
+assert provider.force_flush(20000)
+provider.shutdown()
+"""
+
+
+def test_an_aio_call_that_outlives_its_loop_still_ends_its_span(collector):
+    """Its completion callback ran with no event loop: a traceback, and the span was lost."""
+    def forever(request, context):
+        while context.is_active():
+            time.sleep(0.005)
+            yield b"x"
+
+    server, address = sync_server(None, {"Forever": grpc.unary_stream_rpc_method_handler(forever)})
+    try:
+        result = run_python(AIO_OUTLIVES_LOOP, tracer_env(collector, "client"), timeout=60, args=(address,))
+    finally:
+        server.stop(0)
+    assert "no running event loop" not in result.stderr
+    spans, _ = load(collector)
+    assert [(s["name"], s["attributes"][sc.RPC_GRPC_STATUS]) for s in spans] == [
+        ("test.Svc/Forever", grpc.StatusCode.CANCELLED.value[0])]
+
+
+def test_after_shutdown_nothing_piles_up(collector):
+    """Channels and servers bound before shutdown() keep ending spans and clock samples:
+    nothing takes them out of the queue any more, so they are dropped, not kept."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="both", udp_clock=False,
+                                         rpc_clock_interval_ms=0)
+    seen, echo = metadata_echo()
+    server, address = sync_server(provider, {"Echo": echo})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10)   # binds both sides
+        provider.shutdown()
+        for _ in range(50):
+            channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10)
+    finally:
+        server.stop(0)
+    assert len(seen) == 51
+    assert not provider._queue.queue and not provider._queue.samples
+
+
+def test_a_traced_streaming_handler_fails_as_an_untraced_one(collector):
+    """A handler that returns a list, or raises before its first response, fails with
+    grpc's own code and details, traced or not (traced, the list was iterated, and the
+    early error was reported as one while iterating)."""
+    def as_list(request, context):
+        return [b"a"]
+
+    def raise_early(request, context):
+        raise KeyError("early")
+
+    handlers = {"List": grpc.unary_stream_rpc_method_handler(as_list),
+                "Early": grpc.unary_stream_rpc_method_handler(raise_early)}
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="server", udp_clock=False)
+    outcomes = []
+    for traced_by in (None, provider):
+        server, address = sync_server(traced_by, handlers)
+        try:
+            channel = grpc.insecure_channel(address)
+            for method in ("List", "Early"):
+                with pytest.raises(grpc.RpcError) as raised:
+                    list(channel.unary_stream(f"/test.Svc/{method}")(b"r", timeout=10))
+                outcomes.append((method, raised.value.code(), raised.value.details()))
+        finally:
+            server.stop(0)
+    assert outcomes[:2] == outcomes[2:]
+    flush_all({"server": provider})
+    spans, _ = load(collector)
+    assert sorted((s["name"], s["status"]) for s in spans) == [("test.Svc/Early", 2), ("test.Svc/List", 2)]

@@ -11,6 +11,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, free_port, wait_until
@@ -67,9 +69,12 @@ def finish(proc: subprocess.Popen, timeout_s: float = 60) -> None:
             proc.wait(5)
 
 
-def edge_env(port: int, node: str, spool, **extra) -> dict:
-    env = {"CROSSTRACE_ENDPOINT": f"127.0.0.1:{port}", "CROSSTRACE_NODE_ID": node,
-           "CROSSTRACE_SPOOL_DIR": str(spool), "CROSSTRACE_UDP_CLOCK": "0", "CROSSTRACE_EXPORT_INTERVAL_MS": "50"}
+def edge_env(port: int, node: str | None, spool, **extra) -> dict:
+    """A tracer's environment; node None: the default node id, <host>/<pid>."""
+    env = {"CROSSTRACE_ENDPOINT": f"127.0.0.1:{port}", "CROSSTRACE_SPOOL_DIR": str(spool),
+           "CROSSTRACE_UDP_CLOCK": "0", "CROSSTRACE_EXPORT_INTERVAL_MS": "50"}
+    if node is not None:
+        env["CROSSTRACE_NODE_ID"] = node
     env.update({f"CROSSTRACE_{k.upper()}": str(v) for k, v in extra.items()})
     return env
 
@@ -128,15 +133,18 @@ def test_full_spool_drops_the_oldest_and_the_report_counts_them(tmp_path):
         finish(edge)
 
 
-def test_the_next_process_of_a_node_replays_what_the_last_one_left(tmp_path):
+@pytest.mark.parametrize("node", ["robot", None])
+def test_the_next_process_of_a_node_replays_what_the_last_one_left(tmp_path, node):
+    """Also with the default node id, <host>/<pid>: new in every process, and the next one
+    looked for batches under its own id only, so they stayed on disk for good."""
     port = free_port()
     spool = tmp_path / "spool"
-    first = start(EDGE, edge_env(port, "robot", spool), 3000, 1, "exit")
+    first = start(EDGE, edge_env(port, node, spool), 3000, 1, "exit")
     next_line(first, "exited")
     finish(first)
     assert any(f.endswith(".batch") for _, _, names in os.walk(spool) for f in names)
     with CollectorProcess(str(tmp_path / "store.db"), listen=f"127.0.0.1:{port}") as collector:
-        second = start(EDGE, edge_env(port, "robot", spool), 10, 1, "flush")
+        second = start(EDGE, edge_env(port, node, spool), 10, 1, "flush")
         assert next_line(second, "flushed") == ["True", "0"]
         finish(second)
         # 3000 spans of the first process (i = 0..2999), 10 of the second (i = 0..9)

@@ -45,7 +45,7 @@ class Config:
     disabled: bool = False
     # Intermittent links: batches the collector has not acked go to disk while it is out of
     # reach, up to spool_max_mb (then the oldest are dropped and counted), and are replayed
-    # on reconnect, also by the node's next process. Empty: kept in memory only.
+    # on reconnect, also by the next process that spools there. Empty: kept in memory only.
     spool_dir: str = ""
     spool_max_mb: int = 256
     # Security: TLS to the collector (tls_ca: CA bundle that signed its certificate, else the

@@ -5,8 +5,8 @@ The traced program never waits on any of this. The span queue is bounded (a span
 that does not fit is dropped and counted). Batches stay until acked and are resent in
 order after a reconnect. In memory they are bounded by max_unacked_mb; with a spool
 (spool_dir), a batch goes to disk while the collector is out of reach, or when memory is
-full, and is replayed from there (also by the node's next process, should this one end
-first); otherwise the oldest is given up. Either way what is given up is counted as
+full, and is replayed from there (also by the next process that spools there, should this
+one end first); otherwise the oldest is given up. Either way what is given up is counted as
 dropped. Every batch keeps its (session_id, seq), so the collector's batch-level dedup
 stores nothing twice, whatever is resent or replayed.
 
@@ -185,7 +185,7 @@ class Exporter:
         self._prober.close()
         if self._spool is not None:
             try:
-                self._spill(everything=True)  # the node's next process replays what is left
+                self._spill(everything=True)  # the next process that spools there replays what is left
                 self._spool.close()
             except OSError as exc:            # never raise into the traced program at its exit
                 log.warning("crosstrace: could not keep the unacked batches in %s: %s", self.cfg.spool_dir, exc)

@@ -365,7 +365,7 @@ class TracerProvider(trace_api.TracerProvider):
     def add_clock_sample(self, sample) -> None:
         """Queue a clock sample for the next batch: a ClockSample (NTP, PTP), or an RPC's raw
         (t1, t4, trailer), which the exporter thread parses off the call path."""
-        if self._exporter is not None:   # nothing would take it out of the queue otherwise
+        if self._exporter is not None and not self._shutdown:   # nothing would take it out otherwise
             self._queue.samples.append(sample)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -383,7 +383,11 @@ class TracerProvider(trace_api.TracerProvider):
         if self._exporter is None:
             return True
         timeout = self.config.exit_flush_timeout_s if timeout_millis is None else timeout_millis / 1000
-        return self._exporter.shutdown(timeout)
+        flushed = self._exporter.shutdown(timeout)
+        # Tracers, channels and servers bound before keep ending spans; nothing would take
+        # them out of the queue any more: they are dropped (and counted) from now on.
+        self._queue.max_entries = 0
+        return flushed
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()

@@ -3,8 +3,9 @@
 Layout: <spool_dir>/<node>/<session>/<number>-<seq>-<spans>.batch, one file per batch, each
 written whole or not at all (written aside, then renamed). A process holds an flock on
 its session folder's `lock` file while it lives. A folder whose lock is free belongs to a
-process that is gone: the next process of the same node adopts its batches (taking the
-lock) and replays them. Every batch keeps its own (session_id, seq), so the collector's
+process that is gone: the next process that spools there adopts its batches (taking the
+lock) and replays them, whatever its node id (the default one, `<host>/<pid>`, is new in
+every process). Every batch keeps its own (session_id, seq), so the collector's
 batch-level dedup stores nothing twice however often a batch is replayed.
 
 Files are not fsynced: like the collector's default store, a spooled batch survives the
@@ -43,8 +44,8 @@ class Spooled:
 
 class Spool:
     def __init__(self, root: str, node_id: str, session_id: bytes):
-        self.node_dir = os.path.join(root, _safe(node_id))
-        self.dir = os.path.join(self.node_dir, session_id.hex())
+        self.root = root
+        self.dir = os.path.join(root, _safe(node_id), session_id.hex())
         os.makedirs(self.dir, exist_ok=True)
         self.bytes = 0                  # of every batch this spool holds, own and adopted
         self._number = 0
@@ -91,11 +92,12 @@ class Spool:
     # -- other sessions ---------------------------------------------------------------------
 
     def adopt(self) -> list[Spooled]:
-        """Batches left by this node's earlier processes (whose locks are free), oldest first.
-        Their folders stay locked by this spool until their last batch is removed."""
+        """Batches left by processes that are gone (their locks are free), any node's, oldest
+        first. Their folders stay locked by this spool until their last batch is removed."""
         found = []
         try:
-            sessions = sorted(os.scandir(self.node_dir), key=_mtime)
+            nodes = [entry.path for entry in os.scandir(self.root) if entry.is_dir()]
+            sessions = sorted((entry for node in nodes for entry in os.scandir(node)), key=_mtime)
         except OSError:
             return found
         for entry in sessions:
@@ -116,7 +118,7 @@ class Spool:
             if not batches:
                 self._release_if_empty(entry.path)
         if found:
-            log.info("crosstrace: replaying %d spooled batches (%d spans) left by earlier processes of this node",
+            log.info("crosstrace: replaying %d spooled batches (%d spans) left by earlier processes",
                      len(found), sum(item.spans for item in found))
         return found
 

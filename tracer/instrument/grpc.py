@@ -46,7 +46,7 @@ from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
-from ..provider import attach_span, current_context, detach
+from ..provider import attach_span, current_context, detach, detach_quietly
 from ..span import RemoteParent, Span
 
 log = logging.getLogger("crosstrace.tracer")
@@ -268,8 +268,43 @@ class _Traced:
         except BaseException as exc:
             _failed(span, exc)
             raise
-        call.add_done_callback(lambda done: _call_finished(b, span, t1, done))
-        return call
+        if hasattr(call, "add_done_callback"):
+            call.add_done_callback(lambda done: _call_finished(b, span, t1, done))
+        elif not call.add_callback(lambda: _call_finished(b, span, t1, call)):
+            _call_finished(b, span, t1, call)   # an inner interceptor's own grpc.Call, over already
+        return _CallHandle(call)
+
+
+class _CallHandle:
+    """What a traced streaming call or future() returns: the call itself in every respect
+    but one. grpc cancels a call its caller drops (a loop left with `break`); the span's
+    completion callback holds the call from grpc's own state, so the call is never
+    dropped, and the stream would run on (for good, without a deadline). The caller holds
+    this instead, and dropping it cancels the call, which ends the span as CANCELLED."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call):
+        self._call = call
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._call)
+
+    def __del__(self):
+        try:
+            self._call.cancel()   # nothing, on a call that is done
+        except Exception:   # never raise from a finalizer
+            pass
+
+
+grpc.Call.register(_CallHandle)
+grpc.Future.register(_CallHandle)
 
 
 class _UnaryResponse(_Traced):
@@ -405,9 +440,20 @@ class _AioClient(_Bound):
 
         def done(finished) -> None:
             t4 = now() if now is not None else None
-            task = asyncio.get_running_loop().create_task(self._finish(b, span, t1, t4, finished))
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:   # cancelled as it was freed, its loop gone (asyncio.run returned)
+                _client_finish(b, span, t1, t4, grpc.StatusCode.CANCELLED, None, None)
+                return
+            task = loop.create_task(self._finish(b, span, t1, t4, finished))
             self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+
+            def settled(task) -> None:
+                self._pending.discard(task)
+                if task.cancelled():   # before it ran: the loop is closing
+                    _client_finish(b, span, t1, t4, grpc.StatusCode.CANCELLED, None, None)
+
+            task.add_done_callback(settled)
 
         call.add_done_callback(done)
         return call
@@ -478,7 +524,7 @@ class _ServerCall:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.finish(exc)
-        detach(self._token)
+        detach_quietly(self._token)   # an async generator handler may be closed in another context
 
     def finish(self, exc: BaseException | None) -> None:
         """Answer the clock trailer, set the status code and end the span."""
@@ -496,6 +542,8 @@ class _ServerCall:
             code = None
         if not isinstance(code, grpc.StatusCode):
             code = _OK if exc is None else _code_of(exc)
+            if code is _OK or code is grpc.StatusCode.CANCELLED:
+                code = _past_deadline(context, code)
         if code is _OK:   # the common case, without the enum's (Python-level) hash and value
             span.set_attribute(sc.RPC_GRPC_STATUS, 0)
         else:
@@ -516,6 +564,17 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+def _past_deadline(context, code: grpc.StatusCode) -> grpc.StatusCode:
+    """DEADLINE_EXCEEDED for a call whose handler ran past the client's deadline (the client
+    got that, whatever the handler went on to return, and grpc.aio cancels the handler);
+    else `code`."""
+    try:
+        remaining = context.time_remaining()
+    except Exception:
+        return code
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else code
+
+
 def _details(context) -> str:
     try:
         details = context.details()
@@ -529,31 +588,42 @@ def _details(context) -> str:
 def _wrap_sync(b: _Binding, method, metadata, t2, behavior, streaming_response: bool):
     if streaming_response:
         def traced_stream(request, context):
+            """The handler is called at once, as grpc calls it (an error there is grpc's
+            "Exception calling application"); its responses are read as grpc reads them."""
             call = _ServerCall(b, method, metadata, t2, context)
-            exc = None
+            token = call.enter()
             try:
-                token = call.enter()
-                try:
-                    responses = iter(behavior(request, context))
-                finally:
-                    detach(token)
-                while True:
-                    token = call.enter()  # current for the handler's code between yields only
-                    try:
-                        item = next(responses)
-                    except StopIteration:
-                        return
-                    finally:
-                        detach(token)
-                    yield item
-            except BaseException as e:
-                exc = e
+                responses = behavior(request, context)
+            except BaseException as exc:
+                call.finish(exc)
                 raise
             finally:
-                call.finish(exc)
+                detach(token)
+            return _traced_responses(call, responses)
         return traced_stream
 
     return partial(_traced_once, b, method, metadata, t2, behavior)
+
+
+def _traced_responses(call: _ServerCall, responses):
+    """A streaming handler's responses, its span current while each is made; the span ends
+    with the stream (next(), not iter(): a handler that returns a list fails as untraced)."""
+    exc = None
+    try:
+        while True:
+            token = call.enter()   # current for the handler's code between yields only
+            try:
+                item = next(responses)
+            except StopIteration:
+                return
+            finally:
+                detach(token)
+            yield item
+    except BaseException as e:
+        exc = e
+        raise
+    finally:
+        call.finish(exc)
 
 
 def _traced_once(b: _Binding, method, metadata, t2, behavior, request, context):
