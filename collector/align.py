@@ -90,16 +90,13 @@ def fit_models(store) -> dict[str, ClockModel]:
             rows_by_node[resources[row[0]].node_id].append(row)
     epoch = int(store.meta("epoch_offset_ns") or 0)
     on_utc = {r.node_id for r in resources.values() if r.labels.get(sc.CLOCK_LABEL) == sc.CLOCK_UNIX_EPOCH}
-    return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch,
-                       store.reused_node_ids(), on_utc)
+    return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch, on_utc)
 
 
 def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
-                reused: set[str] = frozenset(), on_utc: set[str] = frozenset()) -> dict[str, ClockModel]:
-    """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers,
-    but for peers whose node id came back on another clock (`reused`, Store.reused_node_ids):
-    a sample names its peer by node id, which does not say which of its clocks it met. A node
-    whose spans are stamped in UTC (`on_utc`: OTLP senders, whose times are their wall
+                on_utc: set[str] = frozenset()) -> dict[str, ClockModel]:
+    """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers
+    (named by their rows, Store.clock_samples). A node whose spans are stamped in UTC (`on_utc`: OTLP senders, whose times are their wall
     clock's) and that nothing else measures is on the UTC link itself, as good as its NTP."""
     direct = {node: combine(s.direct) for node, s in sources.items()}
     utc_link = _utc_link(sources, direct, epoch_offset_ns)
@@ -112,7 +109,7 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
     for _ in range(len(sources)):
         changed = False
         for node, s in sources.items():
-            peers = {peer for peer in s.to_peer if peer in models and models[peer].known and peer not in reused}
+            peers = {peer for peer in s.to_peer if peer in models and models[peer].known}
             if peers <= used[node]:
                 continue
             used[node] = peers

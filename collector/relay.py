@@ -5,7 +5,8 @@ session and seq, so that the upstream collector deduplicates replays exactly.
 
 One thing changes on the way: a device's two-way clock exchanges answered by this relay
 (GRPC_EXCHANGE / UDP_EXCHANGE samples with no peer) measured the device against the
-relay, so they go up with `peer` = the relay's node id. The relay's own exchanges with
+relay, so they go up with `peer` = the relay's node id and `peer_clock` = its clock (a
+relay rebooted under its node id is another clock upstream, Store.clock_samples). The relay's own exchanges with
 upstream travel in its own batches; upstream then composes device -> relay -> upstream,
 with bounds that add (collector/align.py). Relays chain the same way.
 
@@ -17,20 +18,23 @@ from ..proto import pb
 from .store import MEASURED_HERE
 
 
-def for_upstream(batch: "pb.SpanBatch", relay_node_id: str) -> "pb.SpanBatch":
-    """`batch` with its device-to-relay clock exchanges naming the relay as their peer (in place)."""
+def for_upstream(batch: "pb.SpanBatch", relay_node_id: str, relay_clock: str) -> "pb.SpanBatch":
+    """`batch` with its device-to-relay clock exchanges naming the relay and its clock as
+    their peer (in place)."""
     for sample in batch.clock_samples:
         if not sample.peer and sample.source in MEASURED_HERE:
-            sample.peer = relay_node_id
+            sample.peer, sample.peer_clock = relay_node_id, relay_clock
     return batch
 
 
 class Relay:
-    """The collector's `forward` hook: every ingested batch, after the local commit."""
+    """The collector's `forward` hook: every ingested batch, after the local commit.
+    `clock`: the relay's clock's name (tracer.clock.Clock.domain)."""
 
-    def __init__(self, node_id: str, upstream):
+    def __init__(self, node_id: str, upstream, clock: str):
         self.node_id = node_id
         self.upstream = upstream
+        self.clock = clock
 
     def __call__(self, batch: "pb.SpanBatch") -> None:
-        self.upstream.forward(for_upstream(batch, self.node_id))
+        self.upstream.forward(for_upstream(batch, self.node_id, self.clock))

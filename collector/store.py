@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS batches (
 CREATE TABLE IF NOT EXISTS clock_samples (
     node INTEGER NOT NULL, source INTEGER NOT NULL, peer TEXT NOT NULL,
     t1 INTEGER, t2 INTEGER, t3 INTEGER, t4 INTEGER, local_ns INTEGER,
-    offset_ns INTEGER, error_ns INTEGER, server TEXT, received_ns INTEGER NOT NULL);
+    offset_ns INTEGER, error_ns INTEGER, server TEXT, received_ns INTEGER NOT NULL,
+    peer_clock TEXT);   -- added to stores begun without it (Store._open)
 CREATE INDEX IF NOT EXISTS clock_samples_node ON clock_samples (node, local_ns);
 CREATE TABLE IF NOT EXISTS rejects (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
 -- the clocks collectors wrote this store on, and what each is shifted by onto its timeline
@@ -128,7 +129,12 @@ class Store:
             # NORMAL: a commit survives the collector being killed; FULL: also a power loss.
             self.db.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
             self.db.executescript(_SCHEMA)
+            if "peer_clock" not in self._columns("clock_samples"):   # a store begun before it
+                self.db.execute("ALTER TABLE clock_samples ADD COLUMN peer_clock TEXT")
         self.db.execute("PRAGMA cache_size=-131072")
+
+    def _columns(self, table: str) -> set[str]:
+        return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
 
     def _check_kind(self) -> None:
         """Refuse what is not a store of this version before anything is written to it:
@@ -289,7 +295,8 @@ class Store:
                        "dropped = max(dropped, excluded.dropped), last_seq = max(last_seq, excluded.last_seq)",
                        (batch.session_id, node, batch.resource.pid, batch.dropped_spans, batch.seq))
         if batch.clock_samples:
-            db.executemany("INSERT INTO clock_samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            db.executemany("INSERT INTO clock_samples (node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, "
+                           "error_ns, server, received_ns, peer_clock) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                            [self._sample_row(node, s, now) for s in batch.clock_samples])
         keep = checked.keep.copy()
         keys = span_keys(cols["trace_id_hi"], cols["trace_id_lo"], cols["span_id"])
@@ -307,7 +314,8 @@ class Store:
         t2, t3 = s.t2, s.t3
         if self.shift_ns and not s.peer and s.source in MEASURED_HERE:
             t2, t3 = t2 + self.shift_ns, t3 + self.shift_ns
-        return node, s.source, s.peer, s.t1, t2, t3, s.t4, s.local_ns, s.offset_ns, s.error_ns, s.server, now
+        return (node, s.source, s.peer, s.t1, t2, t3, s.t4, s.local_ns, s.offset_ns, s.error_ns, s.server, now,
+                s.peer_clock or None)
 
     def _mark_duplicates(self, keys: np.ndarray, keep: np.ndarray) -> int:
         """Clear `keep` for spans stored before or repeated within the batch; returns their count."""
@@ -379,9 +387,29 @@ class Store:
                 yield node, pb.SpanBatch.FromString(data)
 
     def clock_samples(self) -> list[tuple]:
-        """(node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, server) rows."""
-        return self.db.execute("SELECT node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, "
-                               "server FROM clock_samples ORDER BY node, local_ns").fetchall()
+        """(node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, server) rows.
+        A peer is named by its row: where the node id came back on another clock, a sample
+        that says which clock its peer was on (peer_clock: a relay's exchanges) names that
+        clock's row ("<node id>#2", ...), and one that does not (an RPC's) cannot say which
+        clock it met and is left out."""
+        peer_clock = "peer_clock" if "peer_clock" in self._columns("clock_samples") else "NULL"
+        rows = self.db.execute("SELECT node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, server, "
+                               f"{peer_clock} FROM clock_samples ORDER BY node, local_ns").fetchall()
+        reused = self.reused_node_ids()
+        if not reused:
+            return [row[:11] for row in rows]
+        names = dict(((base, clock), name) for base, clock, name in self.db.execute(
+            "SELECT c.base, c.clock, n.node_id FROM node_clocks c JOIN nodes n ON n.id = c.node"))
+        out = []
+        for row in rows:
+            peer = row[2]
+            if peer in reused:
+                peer = names.get((peer, row[11]))
+                if peer is None:
+                    continue
+                row = (*row[:2], peer, *row[3:])
+            out.append(row[:11])
+        return out
 
     def dropped_by_node(self) -> dict[str, int]:
         rows = self.db.execute("SELECT n.node_id, sum(s.dropped) FROM sessions s JOIN nodes n ON n.id = s.node "

@@ -303,24 +303,3 @@ def test_thinning_many_bounds_stays_sound():
     lo_e, hi_e = geometry.extent(exact, grid)
     assert np.all(lo_t <= lo_e + 1e-6) and np.all(hi_t >= hi_e - 1e-6)
     assert np.all(hi_t - hi_e <= 0.05 * (hi_e - lo_e) + 1e3)    # and not much looser
-
-
-def test_piggyback_samples_are_not_taken_through_a_reused_node_ids_clocks():
-    """A client's RPC samples name the server by node id; once that node id has come back
-    on another clock ("srv#2", Store.reused_node_ids), which clock a sample meant is
-    unknown: they are left out."""
-    from crosstrace.collector.align import NodeSources, fit_sources
-
-    server, client = Truth(3e8, 10.0), Truth(-2e8, -5.0)
-    server_bounds, _ = exchanges(server, seconds=60)
-    rpc, _ = exchanges(Truth(-5e8, -15.0), seconds=60, seed=1)    # client - server
-    client_bounds, _ = exchanges(client, seconds=60, seed=2)
-
-    def sources(with_reboot):
-        out = {"srv": NodeSources({"udp": server_bounds}, {}, {}), "cli": NodeSources({"udp": client_bounds}, {},
-                                                                                          {"srv": rpc})}
-        if with_reboot:
-            out["srv#2"] = NodeSources({"udp": exchanges(Truth(-9e9, 3.0), seconds=60, seed=3)[0]}, {}, {})
-        return out
-    assert "rpc:srv" in fit_sources(sources(False), 0)["cli"].sources
-    assert fit_sources(sources(True), 0, {"srv"})["cli"].sources == ("udp",)

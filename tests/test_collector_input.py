@@ -348,3 +348,28 @@ def test_a_node_id_on_another_clock_gets_a_row_of_its_own_for_good(tmp_path):
         assert node_of(store, "n", "monotonic:Y")[1] == "n" and node_of(store, "n", "monotonic:X")[1] == "n#3"
         assert node_of(store, "n#2", "monotonic:A")[0] == rows and set(rows) == {"n", "n#2", "n#3"}
         assert store.reused_node_ids() == {"n"}                    # not "n#2", a node id of its own
+
+
+def test_samples_naming_a_node_id_on_two_clocks_name_the_right_row(tmp_path):
+    """Once a node id has come back on another clock ("srv#2"), a sample that names it as
+    its peer goes through the row of the clock it says it met (a relay's exchanges carry
+    peer_clock); one that does not say (an RPC's) is left out: which clock it met is unknown."""
+    from crosstrace.collector.ingest import check
+
+    def batch(node_id, clock, samples=()):
+        b = pb.SpanBatch(session_id=np.random.bytes(16), seq=1, resource=pb.Resource(node_id=node_id))
+        b.resource.labels["clock"] = clock
+        b.clock_samples.extend(samples)
+        return check(b)
+
+    def sample(peer, peer_clock="", local_ns=1):
+        return pb.ClockSample(source=pb.GRPC_EXCHANGE, peer=peer, peer_clock=peer_clock, t1=local_ns, t2=2, t3=3,
+                              t4=local_ns + 4, local_ns=local_ns)
+
+    with Store(str(tmp_path / "store.db")) as store:
+        store.write([batch("srv", "monotonic:Y"), batch("srv", "monotonic:X"), batch("other", "monotonic:Z")])
+        store.write([batch("cli", "monotonic:C", [sample("srv", "monotonic:X", 1), sample("srv", "monotonic:Y", 2),
+                                                  sample("srv", "", 3), sample("other", "", 4),
+                                                  sample("srv", "monotonic:unknown", 5)])])
+        rows = store.clock_samples()
+    assert [(row[2], row[7]) for row in rows] == [("srv#2", 1), ("srv", 2), ("other", 4)]

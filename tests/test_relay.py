@@ -100,3 +100,33 @@ def test_gateway_spools_while_the_cloud_is_down_and_forwards_once_it_is_back(tmp
             assert stored_indices(cloud.store, "camera") == sorted(list(range(300)) + list(range(200)))
     finally:
         assert relay.stop() == 0
+
+
+def test_a_gateway_back_on_another_clock_still_carries_its_devices_clocks(tmp_path):
+    """The gateway reboots (here: comes back on another simulated clock) under its node id.
+    Upstream keeps it as two rows, "gateway" and "gateway#2"; its devices' exchanges say
+    which of its clocks answered them, so the device's clock still composes through the
+    right one. Named by node id alone, every exchange through the gateway was ambiguous,
+    and the device was left with no clock at all."""
+    epoch = time.monotonic_ns()
+    camera = DEVICES["camera"]
+    with CollectorProcess(str(tmp_path / "cloud.db")) as cloud:
+        for offset_ns, drift_ppm in (GATEWAY, (2_000_000_000, 10.0)):
+            relay = CollectorProcess(str(tmp_path / "gateway.db"), env=sim(offset_ns, drift_ppm, epoch),
+                                     extra_args=("--forward-to", cloud.address, "--node-id", "gateway"))
+            try:
+                device(relay, "camera", epoch, 300)
+            finally:
+                assert relay.stop() == 0
+        assert wait_until(lambda: len(stored_indices(cloud.store, "camera")) == 600, 30)
+    store = Store(cloud.store, readonly=True)
+    try:
+        models = fit_models(store)
+        starts = span_starts(store, "camera")
+    finally:
+        store.close()
+    assert {"gateway", "gateway#2"} <= set(models)
+    m = models["camera"]
+    assert set(m.sources) == {"rpc:gateway", "rpc:gateway#2"}, m
+    true = injected_offset(starts, *camera, epoch)
+    assert np.all(np.abs(m.offset_at(starts) - true) <= m.error_at(starts) + 1)

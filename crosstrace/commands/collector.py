@@ -63,8 +63,8 @@ def run_args(args) -> int:
     options = {}
     if args.forward_to:
         upstream, relay_clock = _upstream(args)
-        options = {"forward": Relay(upstream.cfg.node_id, upstream), "now": relay_clock.now,
-                   "clock": relay_clock.domain()}
+        clock = relay_clock.domain()
+        options = {"forward": Relay(upstream.cfg.node_id, upstream, clock), "now": relay_clock.now, "clock": clock}
     try:
         return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
                    tokens=tokens, max_streams=args.max_streams, **options)

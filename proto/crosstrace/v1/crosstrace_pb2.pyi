@@ -73,7 +73,7 @@ class Resource(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., role: _Optional[str] = ..., job_id: _Optional[str] = ..., pid: _Optional[int] = ..., service_name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ClockSample(_message.Message):
-    __slots__ = ("source", "peer", "t1", "t2", "t3", "t4", "local_ns", "offset_ns", "error_ns", "server")
+    __slots__ = ("source", "peer", "t1", "t2", "t3", "t4", "local_ns", "offset_ns", "error_ns", "server", "peer_clock")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     T1_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class ClockSample(_message.Message):
     OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
     ERROR_NS_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
+    PEER_CLOCK_FIELD_NUMBER: _ClassVar[int]
     source: ClockSource
     peer: str
     t1: int
@@ -94,7 +95,8 @@ class ClockSample(_message.Message):
     offset_ns: int
     error_ns: int
     server: str
-    def __init__(self, source: _Optional[_Union[ClockSource, str]] = ..., peer: _Optional[str] = ..., t1: _Optional[int] = ..., t2: _Optional[int] = ..., t3: _Optional[int] = ..., t4: _Optional[int] = ..., local_ns: _Optional[int] = ..., offset_ns: _Optional[int] = ..., error_ns: _Optional[int] = ..., server: _Optional[str] = ...) -> None: ...
+    peer_clock: str
+    def __init__(self, source: _Optional[_Union[ClockSource, str]] = ..., peer: _Optional[str] = ..., t1: _Optional[int] = ..., t2: _Optional[int] = ..., t3: _Optional[int] = ..., t4: _Optional[int] = ..., local_ns: _Optional[int] = ..., offset_ns: _Optional[int] = ..., error_ns: _Optional[int] = ..., server: _Optional[str] = ..., peer_clock: _Optional[str] = ...) -> None: ...
 
 class SpanBatch(_message.Message):
     __slots__ = ("resource", "session_id", "seq", "count", "trace_id_hi", "trace_id_lo", "span_id", "parent_span_id", "start_ns", "end_ns", "kind", "status", "name", "thread", "strings", "attributes_json", "extras_json", "clock_samples", "dropped_spans")
