@@ -217,9 +217,9 @@ def pieces(table: SpanTable, dag: Dag, start, end, error):
         add(r, cut, stop, busy_cat, x)
 
     coll = kind == Kind.COLLECTIVE
-    r = np.flatnonzero(coll & dag.waits_for_join)
+    r = np.flatnonzero(coll & (dag.join >= 0))
     split(r, dag.join_time[dag.join[r]], dag.join_last[dag.join[r]], C["collective.wait"], C["collective.transfer"])
-    r = np.flatnonzero(coll & ~dag.waits_for_join)
+    r = np.flatnonzero(coll & (dag.join < 0))
     add(r, start[r], end[r], C["collective.transfer"])
     p2p = (kind == Kind.SEND) | (kind == Kind.RECV)
     r = np.flatnonzero((kind == Kind.RECV) & (dag.partner >= 0))
@@ -479,7 +479,6 @@ def _waits(table: SpanTable, dag: Dag, start, end):
     j = dag.join[members]
     n_joins = len(dag.join_time)
     wait = np.clip(dag.join_time[j], start[members], end[members]) - start[members]
-    wait = np.where(dag.waits_for_join[members], wait, 0)
     join_wait = np.bincount(j, weights=wait, minlength=n_joins)
     join_transfer = np.bincount(j, weights=end[members] - start[members], minlength=n_joins) - join_wait
     # Lateness: how much later the last entry came than the one before it (entries that join).

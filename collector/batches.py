@@ -149,7 +149,6 @@ def merge_dag(m: Merge, dags: list[Dag], matches: Matches, table: SpanTable) -> 
         lane=m.scatter_rows([d.lane + lane_offset[b] for b, d in enumerate(dags)]),
         partner=m.scatter_rows([m.rows(b, d.partner) for b, d in enumerate(dags)]),
         join=m.scatter_rows([m.joins(b, d.join) for b, d in enumerate(dags)]),
-        waits_for_join=m.scatter_rows([d.waits_for_join for d in dags]),
         join_time=cat([d.join_time for d in dags]),
         join_last=cat([m.rows(b, d.join_last) for b, d in enumerate(dags)]),
         join_instance=cat([bt.instances[d.join_instance] for d, bt in zip(dags, m.batches)]).astype(np.int64),

@@ -16,12 +16,11 @@ An edge a -> b says "a happened before b, and b may have waited for it":
   JOIN          a participant's start -> the collective's join (the last entry releases it)
   COMPLETE      the join -> a participant's end
 
-Who joins and who is released depends on the collective (Scalasca's wait-state patterns):
-N x N ops (all_reduce, all_gather, reduce_scatter, all_to_all, barrier): everyone's entry
-joins, everyone waits for the last; ONE_TO_ALL ops: only the root's entry joins, so the
-others wait for the root ("late broadcast"); ALL_TO_ONE ops: everyone's entry joins and
-only the root waits ("early reduce"). Without a known root they count as N x N. The table
-of ops is matching.COLLECTIVE_PATTERNS.
+Every collective is N x N here: everyone's entry joins, everyone waits for the last.
+Rooted ops too: MPI's semantics let a broadcast's root leave before a late receiver
+(Scalasca's "late broadcast") or a reduce's non-roots before a late root, but gloo's and
+NCCL's block them as well (measured with gloo: a broadcast root, a gather's root and a
+reduce's non-roots all waited for a late rank).
 
 All of it is built with array operations over the SpanTable (all traces at once).
 Edges only join spans of the same trace; a partner that is missing, or recorded under
@@ -35,7 +34,7 @@ import numpy as np
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .align import Alignment
-from .matching import ALL_TO_ONE, N_X_N, ONE_TO_ALL, Matches, collective_pattern
+from .matching import Matches
 from .spantable import SpanTable
 
 
@@ -67,7 +66,6 @@ class Dag:
     lane: np.ndarray          # per row: its (trace, node, thread)
     partner: np.ndarray       # per row: the other side of a send/recv or RPC in the same trace, -1
     join: np.ndarray          # per row: join index of a collective participant, -1
-    waits_for_join: np.ndarray  # per row: a participant released by its join (not only by itself)
     join_time: np.ndarray     # per join: last entry (aligned ns)
     join_last: np.ndarray     # per join: row of the last participant to enter
     join_instance: np.ndarray  # per join: collective instance in Matches
@@ -209,25 +207,6 @@ def _thread_order(table: SpanTable, start, end, parent, trace_start, span: int):
     return events, same_lane_next, lane, prev
 
 
-def _collective_roles(table: SpanTable, matches: Matches, join_key: np.ndarray, n_joins: int):
-    """Per collective participant (matches.coll_rows order): does its entry join, and does
-    the join release it? A rooted op whose root is not among its participants in this
-    trace counts as N x N."""
-    members = matches.coll_rows
-    pattern = np.array([collective_pattern(o) or N_X_N for o in matches.coll_op], dtype=object)[matches.coll_instance] \
-        if len(members) else np.empty(0, dtype=object)
-    one_to_all, all_to_one = pattern == ONE_TO_ALL, pattern == ALL_TO_ONE
-    rank = table.rank_of_node[table.node[members]] if len(table.resources) else np.full(len(members), -1)
-    roots = table.attr(sc.COLL_ROOT, members)
-    is_root = np.array([r is not None and r == k for r, k in zip(roots, rank.tolist())], dtype=bool)
-    has_root = np.zeros(n_joins, dtype=bool)
-    has_root[join_key[is_root]] = True
-    rooted = has_root[join_key]
-    joins = ~(one_to_all & rooted) | is_root
-    released = ~(all_to_one & rooted) | is_root
-    return joins, released
-
-
 def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     n = len(table)
     trace = table.trace.astype(np.int64)
@@ -277,10 +256,9 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     join_key, n_joins = dense(instance, trace[members]) if len(members) else (members, 0)
     join = np.full(n, -1, dtype=np.int64)
     join[members] = join_key
-    joins, released = _collective_roles(table, matches, join_key, n_joins)
     join_time = np.full(n_joins, np.iinfo(np.int64).min, dtype=np.int64)
-    np.maximum.at(join_time, join_key[joins], start[members[joins]])
-    last = joins & (start[members] == join_time[join_key])
+    np.maximum.at(join_time, join_key, start[members])
+    last = start[members] == join_time[join_key]
     join_last = np.full(n_joins, -1, dtype=np.int64)
     join_last[join_key[last]] = members[last]
     join_instance = np.zeros(n_joins, dtype=np.int64)
@@ -288,10 +266,8 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     join_trace = np.zeros(n_joins, dtype=np.int64)
     join_trace[join_key] = trace[members]
     J = 2 * n + join_key
-    add(S[members[joins]], J[joins], Edge.JOIN)
-    add(J[released], E[members[released]], Edge.COMPLETE)
-    waits_for_join = np.zeros(n, dtype=bool)
-    waits_for_join[members[released]] = True
+    add(S[members], J, Edge.JOIN)
+    add(J, E[members], Edge.COMPLETE)
 
     time = np.concatenate([np.stack([start, end], axis=1).reshape(-1), join_time])
     error = np.repeat(alignment.error.astype(np.int64), 2)
@@ -305,5 +281,5 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     unmatched["cross_trace"] = np.union1d(p2p[~same].reshape(-1), members[split[instance]]).astype(np.int64)
     unmatched["parent"] = np.flatnonzero((table.parent_id != 0) & (parent < 0) & (table.kind != Kind.RPC_SERVER))
     return Dag(n, time, error, node, trace_ev, np.concatenate(src), np.concatenate(dst), np.concatenate(kinds),
-               parent, prev, lane, partner, join, waits_for_join, join_time, join_last, join_instance,
+               parent, prev, lane, partner, join, join_time, join_last, join_instance,
                join_trace, trace_start, trace_end, unmatched)

@@ -15,8 +15,11 @@ from .spantable import SpanTable
 
 _NONE = np.empty(0, dtype=np.int64)
 
-# Who waits for whom in a collective, by op name (lower case, no underscores, as a prefix:
-# all_gather_into_tensor is an allgather): the one table the DAG and alignment both read.
+# Who must wait for whom in a collective by its definition, by op name (lower case, no
+# underscores, as a prefix: all_gather_into_tensor is an allgather). Alignment makes clock
+# facts from N x N ops only (every entry before every exit): a rooted op may let some leave
+# early (an NCCL broadcast's root, with a small message). The DAG's wait model is N x N for
+# every op, as gloo and NCCL behave (collector/dag.py).
 N_X_N, ONE_TO_ALL, ALL_TO_ONE = "n_x_n", "one_to_all", "all_to_one"
 COLLECTIVE_PATTERNS = (("allreduce", N_X_N), ("allgather", N_X_N), ("reducescatter", N_X_N), ("alltoall", N_X_N),
                        ("barrier", N_X_N), ("monitoredbarrier", N_X_N),

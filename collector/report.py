@@ -247,7 +247,7 @@ def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
     any they overlapped with compute of their own (DDP's buckets wait while backward goes
     on), so it can exceed their per-rank collective.wait, which counts each instant once."""
     start, end = dag.time[0:2 * dag.n_rows:2], dag.time[1:2 * dag.n_rows:2]
-    members = np.flatnonzero((dag.join >= 0) & dag.waits_for_join)
+    members = np.flatnonzero(dag.join >= 0)
     j = dag.join[members]
     p2p = np.flatnonzero(dag.partner >= 0)
     p2p = p2p[np.isin(t.kind[p2p], (Kind.SEND, Kind.RECV))]

@@ -56,7 +56,7 @@ def test_batches_give_the_result_of_one_pass(batch_spans):
     for name in ("critical", "per_rank", "group", "group_trace", "group_node", "window", "segment_category",
                  "segment_row"):
         assert np.array_equal(getattr(parts, name), getattr(whole, name)), name
-    for name in ("parent", "prev", "partner", "waits_for_join", "trace_start", "trace_end", "lane"):
+    for name in ("parent", "prev", "partner", "trace_start", "trace_end", "lane"):
         assert np.array_equal(getattr(parts.dag, name), getattr(whole.dag, name)), name
     for name in ("start", "end", "trace", "edge", "error", "violation", "bounds"):
         assert np.array_equal(getattr(parts.paths, name), getattr(whole.paths, name)), name

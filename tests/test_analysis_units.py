@@ -126,12 +126,14 @@ def test_straggler_compute_on_critical_path_and_wait_on_the_others():
 
 @pytest.mark.parametrize("op,root,late,waits", [
     ("broadcast", 0, 0, {"r0": 0, "r1": 30, "r2": 30}),     # late root: everyone waits for it
-    ("broadcast", 0, 2, {"r0": 0, "r1": 0, "r2": 0}),       # a late receiver delays no one
-    ("reduce", 1, 2, {"r0": 0, "r1": 30, "r2": 0}),         # only the root waits for the last
-    ("all_reduce", None, 2, {"r0": 30, "r1": 30, "r2": 0}),  # N x N
-    ("broadcast", None, 2, {"r0": 30, "r1": 30, "r2": 0}),  # root unknown: counted as N x N
+    ("broadcast", 0, 2, {"r0": 30, "r1": 30, "r2": 0}),     # a late receiver: the root waits too
+    ("reduce", 1, 2, {"r0": 30, "r1": 30, "r2": 0}),        # the non-roots wait as well
+    ("gather", 0, 2, {"r0": 30, "r1": 30, "r2": 0}),
+    ("all_reduce", None, 2, {"r0": 30, "r1": 30, "r2": 0}),
 ])
 def test_rooted_collectives(op, root, late, waits):
+    """Every collective is N x N: with gloo a broadcast's root, a gather's root and a
+    reduce's non-roots all waited for a late rank, where MPI's semantics would let them go."""
     s = Spans()
     for r in range(3):
         enter = 10 + (30 if r == late else 0)

@@ -23,9 +23,10 @@ from .conftest import launch_ranks, run_python, tracer_env
 pytest.importorskip("torch.distributed")
 
 
-def run_ranks(code: str, world: int, collector, timeout_s: float = 120, **options) -> list[dict]:
+def run_ranks(code: str, world: int, collector, timeout_s: float = 120, args: tuple = (), **options) -> list[dict]:
     """Run `code` as `world` ranks of one gloo job (torchrun's environment, CROSSTRACE_*
-    `options`); each prints one JSON line last, returned per rank with its stderr."""
+    `options`, command-line `args`); each prints one JSON line last, returned per rank with
+    its stderr."""
     port = free_port()
 
     def env(rank: int) -> dict:
@@ -34,7 +35,7 @@ def run_ranks(code: str, world: int, collector, timeout_s: float = 120, **option
                 "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
 
     return [{**json.loads(stdout.strip().splitlines()[-1]), "stderr": stderr}
-            for stdout, stderr in launch_ranks(code, world, env, timeout_s=timeout_s)]
+            for stdout, stderr in launch_ranks(code, world, env, lambda rank: args, timeout_s=timeout_s)]
 
 
 def spans(collector) -> list[dict]:

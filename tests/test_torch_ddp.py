@@ -153,8 +153,12 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
     step_of = step_traces(rows, "ddp-test")
     buckets = [r for r in rows if r["name"] == "ddp.all_reduce"]
     assert buckets and all(r["kind"] == Kind.COLLECTIVE for r in buckets)
-    assert len(check_collectives_join(rows)) * 3 == len(buckets)
-    assert not [r for r in rows if r["kind"] == Kind.COLLECTIVE and r["name"] != "ddp.all_reduce"]
+    # and each model's bucket rebuild (its second forward) broadcasts the new order from rank 0
+    orders = [r for r in rows if r["name"] == "ddp.broadcast_bucket_order"]
+    assert orders and all(r["a"][sc.COLL_OP] == "broadcast" and r["a"][sc.COLL_ROOT] == 0 for r in orders)
+    assert len(check_collectives_join(rows)) * 3 == len(buckets) + len(orders)
+    assert not [r for r in rows if r["kind"] == Kind.COLLECTIVE and r["name"] not in ("ddp.all_reduce",
+                                                                                      "ddp.broadcast_bucket_order")]
     by_step = collections.defaultdict(list)
     for r in buckets:
         by_step[step_of[r["trace"]], r["rank"]].append(r)
@@ -177,9 +181,10 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
         seqs = {k: sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (81, 84)}
         assert seqs[84][0] == seqs[81][-1] + 1
         # the unsampled steps' buckets (131, 133) were not recorded and still took their numbers:
-        # as many as the next step has (130, the first, ran before DDP rebuilt its buckets)
+        # as many as the next step has (130, the first, ran before DDP rebuilt its buckets), and
+        # in 131's forward the rebuild's two broadcasts (the bucket indices, then their sizes)
         seqs = [sorted(r["a"][sc.COLL_SEQ] for r in by_step[k, rank]) for k in (130, 132, 134)]
-        assert all(b[0] == a[-1] + 1 + len(b) for a, b in zip(seqs, seqs[1:])), seqs
+        assert [b[0] - a[-1] - 1 - len(b) for a, b in zip(seqs, seqs[1:])] == [2, 0], seqs
     step_thread = {(step_of[r["trace"]], r["rank"]): r["thread"] for r in rows if r["name"] == "step"}
     for (k, rank), mine in by_step.items():   # on the thread that issued them (recorded elsewhere, later)
         assert all((r["thread"] == step_thread[k, rank]) == (not 110 <= k < 113) for r in mine), k
@@ -363,3 +368,59 @@ def test_a_bucket_keeps_the_parent_of_where_it_was_issued():
         with crosstrace.step(k, every=every):
             assert _parent(outside, None) is outside            # a root, as where it was issued
             assert _parent() is (None if every == 1 else False)  # a bucket issued in this step
+
+
+BUFFERS_WORKER = """
+import json, sys, time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from opentelemetry import trace
+import crosstrace
+
+provider = crosstrace.init()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 8))
+model = crosstrace.instrument_ddp(DDP(net))
+if sys.argv[1] == "compiled":
+    model = torch.compile(model, backend="eager")
+tracer = trace.get_tracer("worker")
+optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+data = torch.Generator().manual_seed(rank)
+for k in range(4):
+    with crosstrace.step(k):
+        with tracer.start_as_current_span("load", kind=crosstrace.Kind.DATA):
+            time.sleep(0.1 if rank == 1 else 0.001)
+            x = torch.randn(16, 32, generator=data)
+        with tracer.start_as_current_span("forward", kind=crosstrace.Kind.COMPUTE):
+            loss = model(x).square().mean()
+        with tracer.start_as_current_span("backward", kind=crosstrace.Kind.COMPUTE):
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+params = [p.detach().sum().item() for p in net.parameters()]   # buffers: each rank's own last forward
+dist.destroy_process_group()
+print(json.dumps({"flushed": provider.force_flush(30000), "params": params}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_late_rank_is_waited_for_in_ddps_buffer_broadcast(tmp_path, mode):
+    """DDP broadcasts a model's buffers (BatchNorm's statistics) before each forward: rank 0
+    waits there for a late rank 1. Untraced, that wait counted as rank 0's compute and the
+    straggler went unnamed. Also under torch.compile, where Dynamo traced into crosstrace's
+    hooks and crashed."""
+    from crosstrace.commands.report import analyse_report
+    from crosstrace.launch import CollectorProcess
+
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        reports = run_ranks(BUFFERS_WORKER, 2, collector, job_id=f"ddp-buffers-{mode}", args=(mode,))
+        report, _, _ = analyse_report(collector.store, quiet=True)
+    assert all(r["flushed"] for r in reports) and reports[0]["params"] == reports[1]["params"]
+    steps = [t for t in report["traces"] if t["name"] == "step"]
+    assert len(steps) == 4
+    for t in steps[1:]:   # the first also waits for the first forward's setup
+        waited = t["per_rank"]["rank0"]["attribution"]
+        assert waited["collective.wait"] >= 80 * 1_000_000 and waited["compute"] < 50 * 1_000_000, waited
+        assert (t["straggler"]["node"], t["straggler"]["span"]) == ("rank1", "load"), t["straggler"]

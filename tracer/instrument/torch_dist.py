@@ -37,8 +37,8 @@ own to the reducer) is counted but has no span; a receive from any source gets i
 and seq when it completes, which pairs it right where such receives complete in the
 order they were posted (a blocking recv, irecvs waited in order), and may pair it with
 another send of its sender where they do not (the collector unpairs those whose sizes
-differ); torch.compile'd regions see the wrappers
-as plain Python functions.
+differ); under torch.compile the wrappers and DDP's hooks run as Python, outside the
+compiled graph (a collective called in a compiled function breaks the graph there).
 """
 import atexit
 import functools
@@ -66,6 +66,14 @@ if AVAILABLE:
     from torch.distributed import distributed_c10d as c10d
 
 _warned: set[str] = set()
+
+
+def _not_compiled(fn):
+    """`fn` run as Python under torch.compile too: Dynamo would trace into crosstrace's
+    bookkeeping (the DDP model's forward hook and process group, which C++ calls from
+    inside a compiled forward, crashed it: a script object's member is not registered)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def warn_once(key: str, message: str) -> None:
@@ -307,7 +315,7 @@ def _traced_collective(name: str, original):
             failure = exc
         return _call(name, original, args, kwargs, [span] if span is not None else None, asynchronous, failure)
 
-    return traced
+    return _not_compiled(traced)
 
 
 def _start_p2p(name: str, send: bool, peer, tag: int, tensor):
@@ -362,7 +370,7 @@ def _traced_p2p(name: str, original):
         return _call(name, original, args, kwargs, [span] if span is not None else None, asynchronous,
                      failure, finish)
 
-    return traced
+    return _not_compiled(traced)
 
 
 def _traced_batch(name: str, untraced_batch):
@@ -395,7 +403,7 @@ def _traced_batch(name: str, untraced_batch):
         _end(recorded)
         return works
 
-    return traced
+    return _not_compiled(traced)
 
 
 def _call(name, original, args, kwargs, spans, asynchronous, failure, finish=None, ended=True):
@@ -608,6 +616,7 @@ def instrument_ddp(model, hook=None, state=None):
             model._match_all_reduce_for_bwd_pass = functools.partial(buckets.shadow_pass, model)
         elif _tracers.get(model) is not buckets:     # a new tracer with the user's hook
             model.register_comm_hook(buckets, _traced_bucket)
+        model._distributed_broadcast_coalesced = functools.partial(buckets.broadcast_buffers, model)
         buckets.forward_handle = model.register_forward_hook(buckets.forward_done)
     except (AttributeError, RuntimeError, ValueError, TypeError) as exc:
         warn_once("ddp-register", f"could not trace this DDP model's buckets with torch {torch.__version__} "
@@ -630,6 +639,7 @@ def uninstrument_ddp(model) -> None:
     buckets.settle(last=True)
     buckets.record(next_pass=True)
     buckets.sampled = False
+    model.__dict__.pop("_distributed_broadcast_coalesced", None)
     if buckets.reducer_group is not None:
         buckets.use(model, model.process_group)
         model.__dict__.pop("_match_all_reduce_for_bwd_pass", None)
@@ -672,14 +682,23 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
     def getBackendName(self) -> str:
         return self._group.name()
 
+    @_not_compiled
     def broadcast(self, tensors, opts):
-        """DDP's bucket rebuild broadcasts the new bucket order. Inherited, the call would go
-        to the backend with the GIL held by torch's trampoline, and a gloo worker that frees
-        a finished work holding Python state needs the GIL while it holds the queue lock
-        that the call waits for: a deadlock (the DDP test hung so, 3 times in about 140
-        runs). The group's own binding releases the GIL."""
-        return self._group.broadcast(tensors, opts)
+        """DDP's bucket rebuild broadcasts the new bucket order (once, in the second forward),
+        a collective like the others; the reducer waits for it at once, so it is waited for
+        here, inside its span. Inherited, the call would go to the backend with the GIL held
+        by torch's trampoline, and a gloo worker that frees a finished work holding Python
+        state needs the GIL while it holds the queue lock that the call waits for: a
+        deadlock (the DDP test hung so, 3 times in about 140 runs). The group's own binding
+        releases the GIL, and so does wait()."""
+        def bucket_order():
+            work = self._group.broadcast(tensors, opts)
+            work.wait()
+            return work
 
+        return self._buckets.collective("ddp.broadcast_bucket_order", bucket_order, _nbytes(tensors), opts.rootRank)
+
+    @_not_compiled
     def allreduce(self, tensors, opts):
         bucket = self._buckets.issued(tensors)
         try:
@@ -766,6 +785,7 @@ class BucketTracer:
         self.times_before = None    # the reducer's per-gradient times when that pass's forward ended
         self.forward_handle = None
 
+    @_not_compiled
     def forward_done(self, module, inputs, output) -> None:
         """After a forward that a synced backward pass will follow: that pass launches the
         buckets again from the first, and is recorded if its step is sampled. DDP rebuilds
@@ -844,6 +864,31 @@ class BucketTracer:
         except Exception as exc:  # never let tracing break the join
             warn_once("ddp-route", f"could not count the all-reduces of DDP's join ({exc!r})")
         return type(model)._match_all_reduce_for_bwd_pass(model)
+
+    @_not_compiled
+    def broadcast_buffers(self, model, tensors, buffer_size, authoritative_rank=0):
+        """DDP's broadcast of the module's buffers (BatchNorm's running statistics) before each
+        forward. Untraced, a rank that waited there for a late one was counted as computing."""
+        return self.collective("ddp.broadcast_buffers", functools.partial(
+            type(model)._distributed_broadcast_coalesced, model, tensors, buffer_size, authoritative_rank),
+            _nbytes(tensors), authoritative_rank)
+
+    def collective(self, name: str, call, nbytes: int, root: int):
+        """Run `call`, one of DDP's broadcasts, as a collective on the model's group: numbered
+        on every rank, recorded in a sampled step; `root` is a rank of the group."""
+        span = failure = None
+        try:
+            group = self.keys
+            seq = group.take()
+            parent = _parent(key=("collective", group.name, seq))
+            if parent is not False:
+                attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
+                              sc.COLL_OP: "broadcast", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: False,
+                              sc.COLL_BYTES: nbytes, sc.COLL_ROOT: group.ranks[root]}
+                span = _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
+        except Exception as exc:  # tracing must not change what the call does
+            failure = exc
+        return _call(name, call, (), {}, [span] if span is not None else None, False, failure)
 
     def issued(self, tensors):
         """DDP's reducer all-reduces `tensors`: the bucket to record, None when the step is
