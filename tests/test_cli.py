@@ -310,3 +310,23 @@ def test_clock_table_puts_flagged_nodes_and_wide_bounds_first():
     assert shown == ["n07", "n05", "n06", "n29", "n28"]   # flagged (widest first), unknown bound, widest
     render_clocks(dict(list(clocks.items())[:5]), console := Console(record=True, width=120), rows=5)
     assert re.findall(r"^│ (n\d\d)", console.export_text(), re.MULTILINE) == ["n00", "n01", "n02", "n03", "n04"]
+
+
+def test_names_with_square_brackets_are_shown_as_they_are(collector):
+    """rich reads `[...]` as markup: a span named after a module path with `[/3]` crashed
+    the report, and `fwd[stage1]` lost its brackets."""
+    run_python("""
+        import crosstrace
+        provider = crosstrace.init()
+        tracer = provider.get_tracer("t")
+        with tracer.start_as_current_span("fwd[stage1]"):
+            with tracer.start_as_current_span("encoder.layers[/3]", kind=crosstrace.Kind.COMPUTE):
+                pass
+        provider.shutdown()
+    """, tracer_env(collector, "edge[/dev0]"))
+    for command in ("report", "clocks"):
+        result = crosstrace(command, "--store", collector.store, run_as=("env", "COLUMNS=200"))
+        assert result.returncode == 0, result.stderr
+        assert "edge[/dev0]" in result.stdout
+    report = crosstrace("report", "--store", collector.store, run_as=("env", "COLUMNS=200"))
+    assert "fwd[stage1]" in report.stdout and "encoder.layers[/3]" in report.stdout

@@ -2,7 +2,12 @@
 import math
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+# Every name that comes from the traced program (spans, nodes, traces, budgets, the store's
+# path) goes through escape(): rich reads `[...]` as markup, and a module path such as
+# `layers[/0]` crashed the report, `fwd[stage1]` lost its brackets.
 
 
 def fmt_ns(ns) -> str:
@@ -18,7 +23,7 @@ def fmt_ns(ns) -> str:
 def render(report: dict, console: Console | None = None, limit: int = 10) -> None:
     console = console or Console()
     traces = report["traces"]
-    console.print(f"[bold]crosstrace report[/]  {report['store']}: {len(traces)} traces, "
+    console.print(f"[bold]crosstrace report[/]  {escape(report['store'])}: {len(traces)} traces, "
                   f"{sum(t['spans'] for t in traces):,} spans")
     if traces:
         table = Table(title=f"slowest traces (of {len(traces)})", title_justify="left")
@@ -27,7 +32,7 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
         for t in sorted(traces, key=lambda t: -t["duration_ns"])[:limit]:
             attribution = sorted(t["attribution"].items(), key=lambda kv: -kv[1])[:3]
             top = ", ".join(f"{k} {fmt_ns(v)}" for k, v in attribution) or "-"
-            table.add_row(t["trace_id"][:16], t["name"], fmt_ns(t["duration_ns"]), str(t["spans"]),
+            table.add_row(t["trace_id"][:16], escape(t["name"]), fmt_ns(t["duration_ns"]), str(t["spans"]),
                           str(t["nodes"]), top)
         console.print(table)
         render_slowest(max(traces, key=lambda t: t["duration_ns"]), console)
@@ -36,7 +41,7 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
         render_budgets(report["budgets"], len(traces), console)
     render_clocks(report["clocks"], console)
     dropped = sorted(((c, n) for n, c in report["dropped_spans"].items() if c), reverse=True)
-    shown = ", ".join(f"{n}: {c:,}" for c, n in dropped[:NODES_LISTED])
+    shown = ", ".join(f"{escape(n)}: {c:,}" for c, n in dropped[:NODES_LISTED])
     if len(dropped) > NODES_LISTED:
         shown += f" and {len(dropped) - NODES_LISTED:,} more nodes ({sum(c for c, _ in dropped):,} in all)"
     console.print("dropped spans (tracer queues full or collector unreachable): " + (shown or "none"))
@@ -80,10 +85,10 @@ def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS,
         table.add_column(col, justify="left" if col in ("node", "sources", "flags") else "right")
     for node in nodes:
         c = clocks[node]
-        cells = {"node": node, "offset": fmt_ns(c["offset_ns"]), "drift": f"{c['drift_ppm']:+.3f} ppm",
+        cells = {"node": escape(node), "offset": fmt_ns(c["offset_ns"]), "drift": f"{c['drift_ppm']:+.3f} ppm",
                  "error bound": fmt_ns(c["error_bound_ns"]), "samples": str(c["samples"]),
                  "drift bound": "-" if c["drift_bound_ppm"] is None else f"{c['drift_bound_ppm']:.3f} ppm",
-                 "sources": ", ".join(c["sources"]) or "-", "flags": ", ".join(c["flags"]) or "-"}
+                 "sources": escape(", ".join(c["sources"])) or "-", "flags": escape(", ".join(c["flags"])) or "-"}
         table.add_row(*(cells[col] for col in columns))
     console.print(table)
 
@@ -96,17 +101,17 @@ def render_slowest(trace: dict, console: Console, limit: int = 12) -> None:
         path.add_column(col, justify="right" if col in ("duration", "share", "confidence") else "left")
     for seg in sorted(trace["critical_path"], key=lambda s: -s["duration_ns"])[:limit]:
         node = f"{seg['from_node']} -> {seg['node']}" if "from_node" in seg else seg["node"]
-        path.add_row(seg["category"], node, seg["span"] or "-", fmt_ns(seg["duration_ns"]),
+        path.add_row(seg["category"], escape(node), escape(seg["span"] or "-"), fmt_ns(seg["duration_ns"]),
                      f"{seg['duration_ns'] / max(trace['duration_ns'], 1):.0%}", f"{seg['confidence']:.2f}")
     console.print(path)
     s = trace.get("straggler")
     if s:
         rank = f" (rank {s['rank']})" if s["rank"] >= 0 else ""
-        console.print(f"straggler: {s['node']}{rank}, busy in {s['span']!r}, made others wait "
+        console.print(f"straggler: {escape(s['node'])}{rank}, busy in {escape(repr(s['span']))}, made others wait "
                       f"{fmt_ns(s['delay_cost_ns'])} in all")
     p = trace.get("pipeline")
     if p:
-        console.print(f"pipeline {p['schedule']}: bubble {p['bubble_fraction']:.1%} measured, "
+        console.print(f"pipeline {escape(str(p['schedule']))}: bubble {p['bubble_fraction']:.1%} measured, "
                       f"{p['ideal_bubble_fraction']:.1%} ideal ({p['ranks']} ranks, {p['microbatches']} microbatches, "
                       f"{p['stages_per_rank']} stage(s) per rank)")
 
@@ -123,14 +128,14 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
     segment in path order and by category, then the slowest traces segment by segment."""
     for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:kinds]:
         d = k["duration"]
-        table = Table(title=f"{name!r}: {k['traces']} traces, p50 {fmt_ns(d['p50_ns'])}, p95 {fmt_ns(d['p95_ns'])}, "
+        table = Table(title=f"{escape(repr(name))}: {k['traces']} traces, p50 {fmt_ns(d['p50_ns'])}, p95 {fmt_ns(d['p95_ns'])}, "
                             f"p99 {fmt_ns(d['p99_ns'])}", title_justify="left")
         table.add_column("critical path: segment (path order), category")
         for col in ("p50", "p95", "p99", "mean", "share", "on path"):
             table.add_column(col, justify="right", no_wrap=True)
         shown = largest_segments(k["segments"], rows)
         for seg in shown:
-            table.add_row(seg["segment"], *_stat_cells(seg), f"{seg['share']:.0%}", f"{seg['traces']}/{k['traces']}")
+            table.add_row(escape(seg["segment"]), *_stat_cells(seg), f"{seg['share']:.0%}", f"{seg['traces']}/{k['traces']}")
         if len(shown) < len(k["segments"]):
             table.add_row(f"... {len(k['segments']) - len(shown)} smaller segments in the JSON report", *[""] * 6)
         table.add_section()
@@ -156,11 +161,11 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
     fits = max(1, (console.width - 32) // 12)
     shown = largest_segments(k["segments"], fits if len(k["segments"]) <= fits else fits - 1)
     other = len(shown) < len(k["segments"])
-    table = Table(title=f"slowest {name!r} traces: critical path per segment", title_justify="left")
+    table = Table(title=f"slowest {escape(repr(name))} traces: critical path per segment", title_justify="left")
     table.add_column("trace", no_wrap=True)
     table.add_column("duration", justify="right", no_wrap=True)
     for seg in shown:
-        header = "\n".join(x for x in (seg["node"], seg["span"], SHORT.get(seg["category"], seg["category"])) if x)
+        header = escape("\n".join(x for x in (seg["node"], seg["span"], SHORT.get(seg["category"], seg["category"])) if x))
         table.add_column(header, justify="right", overflow="fold")
     if other:
         table.add_column("other", justify="right")
@@ -185,7 +190,7 @@ def render_budgets(results: list[dict], n_traces: int, console: Console | None =
     for r in results:
         worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(r, w['value'])})" for w in r["worst"]) or "-"
         label = r["rule"] if r["name"] == r["rule"] else f"{r['name']}: {r['rule']}"
-        table.add_row(label, format_value(r, r["measured"]), format_value(r, r["limit"]), str(r["samples"]),
+        table.add_row(escape(label), format_value(r, r["measured"]), format_value(r, r["limit"]), str(r["samples"]),
                       styles[r["status"]], worst)
     console.print(table)
     bad = sum(not r["ok"] for r in results)

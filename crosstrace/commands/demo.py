@@ -4,6 +4,7 @@ import signal
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..collector.views import terminal
@@ -38,7 +39,7 @@ def run(args) -> int:
     from ..demo import injected_offset_at
 
     console = Console()
-    say = lambda m: console.print(f"[dim]demo:[/] {m}")   # noqa: E731
+    say = lambda m: console.print(f"[dim]demo:[/] {escape(m)}")   # noqa: E731
     # SIGTERM ends the demo as Ctrl-C does: through the `finally`s that stop the workers and the collector.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -67,9 +68,9 @@ def run(args) -> int:
         findings.add_row(*row)
     console.print(findings)
     files = report["demo"]["files"]
-    console.print(f"wrote {files['report_json']} (the whole report), {files['html']} (open it in a browser) and "
-                  f"{files['perfetto']} (open it in ui.perfetto.dev)\n"
-                  f"and more from the store: crosstrace report --store {report['store']} --limit 30")
+    console.print(escape(f"wrote {files['report_json']} (the whole report), {files['html']} (open it in a browser) "
+                         f"and {files['perfetto']} (open it in ui.perfetto.dev)\n"
+                         f"and more from the store: crosstrace report --store {report['store']} --limit 30"))
     return 0
 
 
