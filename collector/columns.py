@@ -93,6 +93,42 @@ def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
     return attributes, extras
 
 
+# Deepest nesting kept: json writes what orjson cannot (beyond 254 levels) while Python's
+# recursion limit (1000, less the caller's stack) allows; half of it leaves room anywhere.
+MAX_NESTING = 500
+
+
+def too_deep(attributes: list, extras: dict[int, dict]) -> np.ndarray:
+    """Per span: its attributes or extras nest deeper than MAX_NESTING, so that the store's
+    segments and every export would fail on them. One orjson pass over the batch (it writes
+    254 levels); span by span only where that fails."""
+    bad = np.zeros(len(attributes), dtype=bool)
+    for values, indices in ((attributes, None), (list(extras.values()), list(extras))):
+        try:
+            orjson.dumps(values)
+            continue
+        except TypeError:   # nested deeper than orjson writes, or an integer beyond 64 bits
+            pass
+        for k, value in enumerate(values):
+            if _nesting(value) > MAX_NESTING:
+                bad[k if indices is None else indices[k]] = True
+    return bad
+
+
+def _nesting(value) -> int:
+    """How deep lists and objects nest in `value` (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if type(value) is dict:
+            value = value.values()
+        elif type(value) is not list:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((item, depth + 1) for item in value)
+    return deepest
+
+
 def take(batch: "pb.SpanBatch", cols: dict[str, np.ndarray], keep: np.ndarray,
          attributes: list, extras: dict[int, dict]) -> "pb.SpanBatch":
     """A segment holding only the spans where `keep` is True (resource and clock samples dropped)."""

@@ -12,7 +12,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from ..proto import pb
-from .columns import BadBatch, parse_json_columns, view
+from .columns import BadBatch, parse_json_columns, too_deep, view
 
 MAX_SPANS_PER_BATCH = 1 << 20
 MAX_INT64 = (1 << 63) - 1
@@ -27,6 +27,11 @@ class TooLarge(BadBatch):
     """The batch holds more spans than one batch may (RESOURCE_EXHAUSTED)."""
 
 
+class StoreUnavailable(RuntimeError):
+    """A batch could not be made durable (store or relay spool failed, or the collector is
+    busy or stopping); the client retries."""
+
+
 @dataclasses.dataclass
 class CheckedBatch:
     batch: "pb.SpanBatch"
@@ -34,7 +39,8 @@ class CheckedBatch:
     keep: np.ndarray                  # spans that passed every check
     attributes: list
     extras: dict[int, dict]
-    rejected: collections.Counter     # reason -> spans
+    rejected: collections.Counter     # reason -> spans (or clock samples)
+    samples: list                     # the batch's clock samples that passed their checks
 
     @property
     def node_id(self) -> str:
@@ -70,6 +76,7 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
         ("unknown_kind", cols["kind"] > MAX_KIND),
         ("unknown_status", cols["status"] > MAX_STATUS),
         ("bad_name_index", cols["name"] >= len(batch.strings)),
+        ("attributes_too_deep", too_deep(attributes, extras)),
     )
     keep = np.ones(batch.count, dtype=bool)
     rejected = collections.Counter()
@@ -79,4 +86,20 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
         if n:
             rejected[reason] += n
             keep &= ~bad
-    return CheckedBatch(batch, cols, keep, attributes, extras, rejected)
+    samples = [sample for sample in batch.clock_samples if _sane(sample)]
+    if len(samples) < len(batch.clock_samples):
+        rejected["absurd_clock_sample"] += len(batch.clock_samples) - len(samples)
+    return CheckedBatch(batch, cols, keep, attributes, extras, rejected, samples)
+
+
+_TWO_WAY = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE, pb.RPC_PIGGYBACK)
+
+
+def _sane(s: "pb.ClockSample") -> bool:
+    """A clock sample whose times could be readings (as spans' timestamps are checked), with
+    an error bound that is not negative and a two-way exchange that took no negative time
+    at either end: one absurd sample (INT64_MIN) broke every report of its store."""
+    times = (s.t1, s.t2, s.t3, s.t4, s.local_ns, s.offset_ns, s.error_ns)
+    if not all(-MAX_ABS_TIMESTAMP_NS <= t <= MAX_ABS_TIMESTAMP_NS for t in times) or s.error_ns < 0:
+        return False
+    return s.source not in _TWO_WAY or (s.t4 >= s.t1 and s.t3 >= s.t2)

@@ -27,7 +27,7 @@ from ..proto import semconv as sc
 from ..proto.attributes_json import dumps
 from ..proto.semconv import Kind
 from .columns import BadBatch
-from .ingest import MAX_SPANS_PER_BATCH, TooLarge
+from .ingest import MAX_SPANS_PER_BATCH, StoreUnavailable, TooLarge
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
@@ -101,7 +101,8 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
         if sc.KIND in attrs:
             kind = sc.KIND_BY_NAME.get(str(attrs.pop(sc.KIND)).lower(), kind)
         cols["kind"].append(int(kind))
-        cols["status"].append(min(int(s.status.code), 255))
+        code = int(s.status.code)
+        cols["status"].append(code if 0 <= code <= 255 else 255)   # out of range: rejected as unknown_status
         cols["name"].append(strings.setdefault(s.name, len(strings)))
         thread = attrs.get("thread.id")
         cols["thread"].append(thread if isinstance(thread, int) and 0 <= thread < 1 << 64 else 0)
@@ -154,8 +155,10 @@ class OtlpService:
                     rejected.update(checked.rejected)
         except BadBatch as exc:
             self.service.refuse(exc, context)
-        except Exception as exc:   # not kept: the sender retries
+        except StoreUnavailable as exc:   # not kept: the sender retries
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:   # spans this collector cannot read: a retry would fail alike
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unreadable spans: {exc!r}")
         response = otlp.ExportTraceServiceResponse()
         if rejected:
             response.partial_success.rejected_spans = sum(rejected.values())

@@ -20,7 +20,7 @@ import grpc
 from ..proto import pb
 from ..proto.endpoint import split_host_port
 from .columns import BadBatch
-from .ingest import CheckedBatch, TooLarge, check, decode
+from .ingest import CheckedBatch, StoreUnavailable, TooLarge, check, decode
 from .otlp import OtlpService
 from .security import TokenAuth
 from .store import Store, WriteResult
@@ -95,10 +95,6 @@ class Writer:
         for (_, future), result in zip(group, results):
             future.set_result(result)
 
-
-class StoreUnavailable(RuntimeError):
-    """A batch could not be made durable (store or relay spool failed, or the collector is
-    busy or stopping); the client retries."""
 
 
 class InFlight:

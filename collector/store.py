@@ -294,10 +294,10 @@ class Store:
             db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
                        "dropped = max(dropped, excluded.dropped), last_seq = max(last_seq, excluded.last_seq)",
                        (batch.session_id, node, batch.resource.pid, batch.dropped_spans, batch.seq))
-        if batch.clock_samples:
+        if checked.samples:
             db.executemany("INSERT INTO clock_samples (node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, "
                            "error_ns, server, received_ns, peer_clock) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                           [self._sample_row(node, s, now) for s in batch.clock_samples])
+                           [self._sample_row(node, s, now) for s in checked.samples])
         keep = checked.keep.copy()
         keys = span_keys(cols["trace_id_hi"], cols["trace_id_lo"], cols["span_id"])
         duplicates = self._mark_duplicates(keys, keep)

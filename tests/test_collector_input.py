@@ -373,3 +373,45 @@ def test_samples_naming_a_node_id_on_two_clocks_name_the_right_row(tmp_path):
                                                   sample("srv", "monotonic:unknown", 5)])])
         rows = store.clock_samples()
     assert [(row[2], row[7]) for row in rows] == [("srv#2", 1), ("srv", 2), ("other", 4)]
+
+
+def test_attributes_nested_too_deep_to_write_back_are_rejected_one_by_one(collector, tmp_path):
+    """JSON that reads but cannot be written back (1000 levels: json's recursion fails where
+    orjson's limit is passed) failed the store write: the client was told to retry a batch
+    that never could succeed, and a span stored whole broke every export."""
+    import subprocess
+    import sys
+
+    b = batch(3)
+    b.attributes_json = b'[{"a":1},{"deep":' + b"[" * 1000 + b"]" * 1000 + b'},{"ok":' + b"[" * 400 + b"]" * 400 + b"}]"
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"attributes_too_deep": 1}
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--jsonl", str(tmp_path / "s.jsonl"),
+                          "--store", collector.store], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 2
+
+
+def test_absurd_clock_samples_are_rejected_and_reports_go_on(collector):
+    """One NTP sample of INT64_MIN/INT64_MAX was stored, and every report and export of the
+    store failed on it (OverflowError). Samples are checked as spans are, one by one."""
+    import subprocess
+    import sys
+
+    b = batch(2)
+    low, high = -(1 << 63), (1 << 63) - 1
+    b.clock_samples.extend([
+        pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 + 300),
+        pb.ClockSample(source=pb.NTP, offset_ns=low, error_ns=high, local_ns=low),
+        pb.ClockSample(source=pb.UDP_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 - 1),   # t4 < t1
+        pb.ClockSample(source=pb.NTP, offset_ns=5, error_ns=-1, local_ns=10**9)])
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"absurd_clock_sample": 3}
+    store = Store(collector.store, readonly=True)
+    try:
+        assert [row[1] for row in store.clock_samples()] == [pb.GRPC_EXCHANGE]
+    finally:
+        store.close()
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "report", "--store", collector.store],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -107,6 +107,8 @@ def test_bad_otlp_spans_are_rejected_one_by_one(collector):
             raw_span(),
             raw_span(trace_id=b"\x01" * 8, span_id=b"\x03" * 8),          # a trace id of 8 bytes
             raw_span(span_id=b"\x04" * 8, start=10**18, end=10**18 - 1),  # ends before it starts
+            trace_pb2.Span(trace_id=b"\x01" * 16, span_id=b"\x05" * 8, name="op", start_time_unix_nano=10**18,
+                           end_time_unix_nano=10**18 + 1, status=trace_pb2.Status(code=-1)),  # no such code
         ])])])
     with grpc.insecure_channel(collector.address) as channel:
         response = otlp_grpc.TraceServiceStub(channel).Export(request, timeout=10)
@@ -115,12 +117,13 @@ def test_bad_otlp_spans_are_rejected_one_by_one(collector):
                                 request_serializer=None, response_deserializer=None)(b"\xff\xff garbage", timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "ExportTraceServiceRequest" in err.value.details()
-    assert response.partial_success.rejected_spans == 2
+    assert response.partial_success.rejected_spans == 3
     assert "invalid_trace_id" in response.partial_success.error_message
     store = Store(collector.store, readonly=True)
     try:
         assert store.span_count() == 1
-        assert store.rejects() == {"end_before_start": 1, "invalid_trace_id": 1, "malformed_batch": 1}
+        assert store.rejects() == {"end_before_start": 1, "invalid_trace_id": 1, "malformed_batch": 1,
+                                   "unknown_status": 1}
         assert [r.node_id for r in store.nodes().values()] == ["otlp/unknown"]
     finally:
         store.close()
