@@ -91,6 +91,23 @@ def test_full_queue_drops_and_counts_and_the_report_shows_it(collector):
     store.close()
 
 
+def test_spans_too_large_for_one_message_go_in_parts(collector):
+    """8000 spans with a 9 KB prompt each, taken at once: 72 MB, over gRPC's 64 MB message
+    limit. The batch was refused whole, its spans dropped, and force_flush() said True."""
+    out = run_python("""
+        import crosstrace
+        p = crosstrace.init(export_interval_ms=60000, batch_size=100000, max_queue=100000)
+        t = p.get_tracer("t")
+        prompt = "lorem ipsum " * 750
+        for i in range(8000):
+            with t.start_as_current_span("generate", attributes={"prompt": prompt, "i": i}):
+                pass
+        print(p.force_flush(60000), p.dropped_spans)
+    """, env=tracer_env(collector, "llm"), timeout=120)
+    assert out.stdout.split() == ["True", "0"], out.stderr
+    assert span_count(collector.store) == 8000
+
+
 def test_forked_children_export_their_own_spans(collector):
     out = run_python("""
         import os, multiprocessing as mp, crosstrace

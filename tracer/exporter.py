@@ -34,13 +34,15 @@ from ..proto import pb
 from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_sample
-from .encode import FIELDS, batches, encode_spans
+from .encode import FIELDS, batches, encode_spans, encoded_size
 from .span import THREAD_IDS
 from .spool import Spool
 
 log = logging.getLogger("crosstrace.tracer")
 
 _EXPORT_METHOD = "/crosstrace.v1.Collector/Export"
+MAX_MESSAGE_BYTES = 64 << 20          # gRPC's message limit, here and at the collector
+MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 4   # a batch larger than this goes in parts
 # The first round (its clock-probe burst) comes soon, so that even a short-lived process has
 # clock samples from before its spans; not at once: a process often forks right after init
 # (DataLoader workers): with the first round at once, children forked at start-up failed 3
@@ -272,19 +274,30 @@ class Exporter:
         while queue or samples or (first and dropped != self._sent_dropped):
             first = False
             for part in batches(self.queue.take(), size):
-                batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id,
-                                     dropped_spans=dropped)
-                if part[0]:
-                    encode_spans(batch, part)
-                into = batch.clock_samples
-                while samples:
-                    sample = samples.popleft()
-                    if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
-                        add_piggyback_sample(into, *sample)
-                    else:
-                        into.append(sample)
-                self._sent_dropped = dropped
-                self._send(batch, len(part[0]))
+                self._send_spans(part, dropped)
+
+    def _send_spans(self, part: list[list], dropped: int) -> None:
+        """One batch of queued spans (their columns), with the clock samples queued; halved
+        while its encoding is over MAX_BATCH_BYTES: a batch over gRPC's message limit is
+        refused whole (20,000 spans with 9 KB prompts as attributes lost 16,384)."""
+        batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id, dropped_spans=dropped)
+        n = len(part[0])
+        if n:
+            encode_spans(batch, part)
+            if n > 1 and encoded_size(batch) > MAX_BATCH_BYTES:
+                half = n // 2
+                self._send_spans([column[:half] for column in part], dropped)
+                self._send_spans([column[half:] for column in part], dropped)
+                return
+        into, samples = batch.clock_samples, self.queue.samples
+        while samples:
+            sample = samples.popleft()
+            if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
+                add_piggyback_sample(into, *sample)
+            else:
+                into.append(sample)
+        self._sent_dropped = dropped
+        self._send(batch, n)
 
     def _send(self, batch, n_spans: int) -> None:
         with self._lock:
@@ -437,7 +450,7 @@ class Exporter:
                         self._forget(entry)
                         self.dropped += entry.spans
                     self._resolve_waiters()
-                log.error("crosstrace: the collector refused a batch (%s: %s); its spans are dropped",
+                log.error("crosstrace: a batch was refused (%s: %s); its spans are dropped",
                           code.name, err.details())
             elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 if f"rpc{code}" not in self._warned:
@@ -485,8 +498,8 @@ class Exporter:
             log.warning(message)
 
 
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
-                    ("grpc.max_receive_message_length", 64 << 20),
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     # A link that drops silently (no RST) is found within ~15 s, not when TCP
                     # gives up minutes later: batches then go to the spool.
                     ("grpc.keepalive_time_ms", 10_000),

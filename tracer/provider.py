@@ -369,10 +369,12 @@ class TracerProvider(trace_api.TracerProvider):
             self._queue.samples.append(sample)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """True once the collector has acked every span that ended before this call."""
+        """True once the collector has acked every span that ended before this call; False
+        at the timeout, or where spans were given up meanwhile (a batch refused)."""
         if self._exporter is None:
             return True
-        return self._exporter.flush(timeout_millis / 1000)
+        dropped = self.dropped_spans
+        return self._exporter.flush(timeout_millis / 1000) and self.dropped_spans == dropped
 
     def shutdown(self, timeout_millis: int | None = None) -> bool:
         """Flush what is queued (bounded by `timeout_millis`, default the exit timeout), then stop."""
