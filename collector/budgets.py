@@ -15,7 +15,7 @@ A budget file is TOML; each [[budget]] table is one limit:
 
     [[budget]]                    # collective.wait <= 10% of step
     category = "collective.wait"
-    traces = "step"               # only traces whose name matches (a glob; default: all)
+    traces = "*step"              # only traces whose name matches (a glob; default: all)
     max = "10%"                   # a share of each trace's duration
 
     [[budget]]                    # the whole request p99 <= 120ms
@@ -107,6 +107,8 @@ def parse(doc: dict, source: str = "budget file") -> list[Budget]:
                           + (f" (unknown top-level keys: {', '.join(sorted(unknown))})" if unknown else ""))
     out = []
     for i, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise BudgetError(f"{source}: budget #{i} is {entry!r}, not a [[budget]] table")
         where = f"{source}: budget #{i}" + (f" ({entry['name']})" if isinstance(entry.get("name"), str) else "")
         try:
             out.append(_one(entry))
@@ -149,7 +151,7 @@ def load(path: str) -> list[Budget]:
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise BudgetError(f"{path}: not valid TOML: {exc}") from None
     return parse(doc, path)
 

@@ -9,6 +9,7 @@ nothing about which token came close. A call without a valid token is refused wi
 UNAUTHENTICATED before any handler runs: it stores nothing.
 """
 import hmac
+import ssl
 
 import grpc
 
@@ -58,6 +59,10 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grp
     """TLS with this certificate chain and key; with `client_ca`, mutual TLS: clients must
     present a certificate signed by that CA."""
     pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
+    try:   # checked here: gRPC reports a certificate it cannot use as a port it cannot bind
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"the TLS certificate {cert} and key {key} are not a usable pair: {exc}") from None
     if client_ca:
         return grpc.ssl_server_credentials([pair], root_certificates=_read(client_ca, "client CA"),
                                            require_client_auth=True)

@@ -101,18 +101,18 @@ class Store:
             raise FileNotFoundError(f"no crosstrace store at {path}")
         if not readonly:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        try:
-            self._open(sync)
-        except sqlite3.DatabaseError as exc:    # OperationalError too
-            raise ValueError(self._cannot_open(exc)) from None
         self._lock = threading.Lock()
         self._node_ids: dict[tuple[str, str], tuple[int, str]] = {}   # (node id, clock) -> (row, name)
         self.recent = RecentKeys(window)
         self.now = now
         self.shift_ns = 0
-        if not readonly:
-            self.now = self._timeline(now, clock or clock_domain())
-            self._load_recent_keys()
+        try:
+            self._open(sync)
+            if not readonly:
+                self.now = self._timeline(now, clock or clock_domain())
+                self._load_recent_keys()
+        except sqlite3.DatabaseError as exc:    # OperationalError too (a full disk, say)
+            raise ValueError(self._cannot_open(exc)) from None
 
     def _open(self, sync: str) -> None:
         if self.readonly:
@@ -227,7 +227,8 @@ class Store:
                                    "DO UPDATE SET count = count + excluded.count", rejects.items())
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:   # SQLite ends it itself on some errors (a full disk)
+                    db.execute("ROLLBACK")
                 self._node_ids.clear()   # ids cached in the transaction may be rolled back with it
                 raise
             for keys in self._pending.runs:  # only committed spans enter the window

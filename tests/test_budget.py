@@ -157,3 +157,21 @@ def test_budget_check_is_a_ci_gate(rpc_store, tmp_path):
     result = crosstrace("report", "--store", rpc_store, "--budget", str(bad), "--json", str(report))
     assert result.returncode == 0, result.stderr
     assert json.loads(report.read_text())["budgets"][0]["status"] == "violated"
+
+
+def test_a_malformed_budget_file_is_bad_input_not_a_violation(tmp_path):
+    """Exit 1 means a budget is violated (a CI gate fails on it); a budget file that is not
+    one is exit 2, with one line that says why: not a traceback and exit 1."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "empty.db"
+    from crosstrace.collector.store import Store
+    Store(str(store)).close()
+    for name, content in (("list.toml", b"budget = [1, 2]\n"), ("bytes.toml", b"\xff\xfe[[budget]]\n")):
+        path = tmp_path / name
+        path.write_bytes(content)
+        out = subprocess.run([sys.executable, "-m", "crosstrace", "budget", "check", "--store", str(store),
+                              "--budget", str(path)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert str(path) in out.stderr

@@ -178,7 +178,9 @@ def test_bad_security_options_are_clear_errors(tmp_path, pki):
     cases = [(["--tokens", str(short)], "shorter than 16 characters"),
              (["--tokens", str(tmp_path / "absent")], "cannot read the tokens file"),
              (["--tls-cert", pki["server_cert"]], "--tls-cert and --tls-key go together"),
-             (["--tls-cert", pki["server_cert"], "--tls-key", str(tmp_path / "absent.key")], "cannot read the TLS key")]
+             (["--tls-cert", pki["server_cert"], "--tls-key", str(tmp_path / "absent.key")], "cannot read the TLS key"),
+             # a certificate gRPC cannot use was reported as an address it could not bind
+             (["--tls-cert", str(short), "--tls-key", str(short)], "not a usable pair")]
     for args, message in cases:
         out = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--store", str(tmp_path / "x.db"),
                               "--listen", "127.0.0.1:0", *args], capture_output=True, text=True, timeout=60)

@@ -18,7 +18,7 @@ budget file (TOML), one [[budget]] table per limit:
 
   [[budget]]                    # collective.wait <= 10% of step (worst rank)
   category = "collective.wait"
-  traces = "step"
+  traces = "*step"
   max = "10%"
 
 keys: max (required: "800ns", "250us", "5ms", "1.5s" or a share "10%"); percentile
