@@ -18,7 +18,7 @@ MICROBATCHES = 4
 SCHEDULES = {0: ("ScheduleGPipe", 1), 1: ("Schedule1F1B", 1), 2: ("ScheduleInterleaved1F1B", 2)}  # step -> (class, stages per rank)
 
 WORKER = """
-import json
+import contextlib, json
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed import pipelining
 import crosstrace
@@ -29,7 +29,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.randn(8, 16)
 
-def run(k):
+def run(k, in_step=True):
     name, per_rank = SCHEDULES[k if k < 10 else k - 10]   # step k + 10: the same, untraced
     stages = []
     for index in (rank + j * world for j in range(per_rank)):   # interleaved: stages r and r + world
@@ -39,7 +39,7 @@ def run(k):
     schedule = getattr(pipelining, name)(stages if per_rank > 1 else stages[0], n_microbatches=%d,
                                          loss_fn=nn.MSELoss())
     losses = []
-    with crosstrace.step(k):
+    with crosstrace.step(k) if in_step else contextlib.nullcontext():
         if rank == 0:
             schedule.step(x)
         else:
@@ -48,6 +48,7 @@ def run(k):
 
 report = {"instrumented": crosstrace.instrument_pipeline()}
 traced = [run(k) for k in SCHEDULES]
+run(1, in_step=False)   # outside any step
 crosstrace.uninstrument_pipeline()
 crosstrace.uninstrument_collectives()
 report["same_losses"] = traced == [run(k + 10) for k in SCHEDULES]
@@ -69,6 +70,7 @@ def test_three_schedules_trace_stages_and_transfers(collector):
     rows = spans(collector)
     assert not [r for r in rows if r["status"] == Status.ERROR]
     step_of = step_traces(rows, "pp-test")
+    rows = [r for r in rows if r["trace"] in step_of]   # not the schedule run outside any step (below)
     assert not [r for r in rows if step_of[r["trace"]] >= 10 and r["name"] != "step"]  # untraced again
     for k, (schedule, per_rank) in SCHEDULES.items():
         mine = [r for r in rows if step_of[r["trace"]] == k]
@@ -99,6 +101,22 @@ def test_three_schedules_trace_stages_and_transfers(collector):
         # the rest is the stages' shape exchange on the first step
         assert all(sc.PP_ACTION not in s["a"] and sc.PP_ACTION not in r["a"] for s, r in pairs
                    if (s, r) not in labelled)
+
+
+def test_a_schedule_outside_any_step_is_one_trace_across_ranks(collector):
+    """Outside crosstrace.step, each rank's pipeline.step was a root of a random trace of its
+    own: its stages and transfers never met. Its trace now follows from the job, the run and
+    the count of schedule steps, as a step's does."""
+    reports = run_ranks(WORKER, 2, collector, job_id="pp-free")
+    assert all(report["flushed"] for report in reports)
+    rows = spans(collector)
+    step_of = step_traces(rows, "pp-free")
+    free = [r for r in rows if r["trace"] not in step_of]
+    windows = [r for r in free if r["name"] == "pipeline.step"]
+    assert len(windows) == 2 and windows[0]["trace"] == windows[1]["trace"], windows
+    mine = [r for r in free if r["trace"] == windows[0]["trace"]]
+    labelled = [(send, recv) for send, recv in check_p2p_pairs(mine) if sc.PP_ACTION in send["a"]]
+    assert len(labelled) == 2 * MICROBATCHES   # activations down, gradients up (and torch's shape exchange)
 
 
 def test_without_pipelining_support_it_warns_once_and_the_job_goes_on():

@@ -20,6 +20,7 @@ and pp.stages_per_rank.
 """
 import contextvars
 import functools
+import itertools
 
 import torch
 
@@ -29,6 +30,7 @@ from .torch_dist import Params, warn_once
 
 _schedule: contextvars.ContextVar[dict] = contextvars.ContextVar("crosstrace_pp_schedule", default={})
 _installed: list[tuple[type, str, object]] = []  # (class, method name, original)
+_schedule_steps = itertools.count()   # schedule steps taken by this process
 
 
 # stage compute method -> pp.action (torch's letters); span name per action
@@ -70,7 +72,10 @@ def _transfers(method, action: str):
 
 
 def _schedule_step(method):
-    """A "pipeline.step" span around one schedule step; its attributes go to every span inside."""
+    """A "pipeline.step" span around one schedule step; its attributes go to every span inside.
+    Outside any span and any crosstrace.step, its trace is one every rank derives alike from
+    the job, the run and the count of schedule steps so far (the ranks run the same ones), as
+    a step's is: each rank's own trace had its stages and transfers never meet."""
     @functools.wraps(method)
     def traced(self, *args, **kwargs):
         attributes = {sc.PP_SCHEDULE: type(self).__name__,
@@ -80,8 +85,13 @@ def _schedule_step(method):
                 attributes[key] = getattr(self, field)
         token = _schedule.set(attributes)
         torch_dist.clear_p2p_tags()
+        number = next(_schedule_steps)
         try:
-            with torch_dist._tracing().tracer.start_as_current_span("pipeline.step", attributes=attributes):
+            tracing = torch_dist._tracing()
+            parent = torch_dist._parent(key=("pipeline.step", number))
+            if parent is False:   # an unsampled step: recorded nothing, as before
+                parent = None
+            with tracing.tracer.start_as_current_span("pipeline.step", context=parent, attributes=attributes):
                 return method(self, *args, **kwargs)
         finally:
             _schedule.reset(token)
