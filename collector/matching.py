@@ -144,8 +144,9 @@ def scopes(table: SpanTable) -> np.ndarray:
 
 
 def _p2p_keys(table: SpanTable, rows: np.ndarray, scope: np.ndarray) -> list:
-    """Key (scope, src, dst, tag, seq) per row; None without src, dst or seq."""
-    cols = [table.attr(key, rows) for key in (sc.P2P_SRC, sc.P2P_DST, sc.P2P_TAG, sc.P2P_SEQ)]
+    """Key (scope, src, dst, tag, seq, group) per row; None without src, dst or seq (the
+    group is None from tracers that did not send it, on both sides alike)."""
+    cols = [table.attr(key, rows) for key in (sc.P2P_SRC, sc.P2P_DST, sc.P2P_TAG, sc.P2P_SEQ, sc.P2P_GROUP)]
     return [None if k[1] is None or k[2] is None or k[4] is None else k
             for k in zip(scope[rows].tolist(), *cols)]
 
@@ -160,7 +161,7 @@ def match(table: SpanTable) -> Matches:
                  + list(zip(table.trace[servers].tolist(), table.parent_id[servers].tolist())))
     rpc, lone_clients, lone_servers = pair(ids[:len(clients)], clients, ids[len(clients):], servers)
 
-    # Point-to-point: a send and its receive share (scope, src, dst, tag, seq).
+    # Point-to-point: a send and its receive share (scope, src, dst, tag, seq, group).
     scope = scopes(table)
     sends = np.flatnonzero(kind == Kind.SEND)
     recvs = np.flatnonzero(kind == Kind.RECV)

@@ -47,7 +47,8 @@ COLL_RANKS = "collective.ranks"
 COLL_ASYNC = "collective.async"
 COLL_ROOT = "collective.root"      # global rank of the root of a broadcast or reduce
 
-# Point-to-point: a send and its receive share (src, dst, tag, seq).
+# Point-to-point: a send and its receive share (group, src, dst, tag, seq).
+P2P_GROUP = "p2p.group"
 P2P_SRC = "p2p.src"
 P2P_DST = "p2p.dst"
 P2P_TAG = "p2p.tag"

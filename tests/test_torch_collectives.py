@@ -74,10 +74,10 @@ def check_collectives_join(rows) -> dict:
 
 
 def check_p2p_pairs(rows) -> list[tuple[dict, dict]]:
-    """Every send has exactly one receive with its (src, dst, tag, seq), and the reverse."""
+    """Every send has exactly one receive with its (group, src, dst, tag, seq), and the reverse."""
     def key(r):
         a = r["a"]
-        return a[sc.P2P_SRC], a[sc.P2P_DST], a[sc.P2P_TAG], a[sc.P2P_SEQ]
+        return a[sc.P2P_GROUP], a[sc.P2P_SRC], a[sc.P2P_DST], a[sc.P2P_TAG], a[sc.P2P_SEQ]
     sends = collections.Counter(key(r) for r in rows if r["kind"] == Kind.SEND)
     recvs = collections.Counter(key(r) for r in rows if r["kind"] == Kind.RECV)
     assert sends and sends == recvs and set(sends.values()) == {1}
@@ -270,3 +270,45 @@ def test_disabled_tracing_wraps_nothing():
     """, env={"CROSSTRACE_DISABLED": "1", "OMP_NUM_THREADS": "1"}, timeout=120)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {
         "collectives": False, "same": True, "ddp": True, "hooks": 0, "group": True, "pipeline": False}
+
+
+GROUPS_WORKER = """
+import json
+import torch, torch.distributed as dist
+import crosstrace
+
+provider = crosstrace.init()
+crosstrace.instrument_collectives()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])
+with crosstrace.step(0):
+    if rank == 0:
+        works = [dist.isend(torch.full((4,), float(g)), 1, group=group) for g, group in ((1, g1), (2, g2))]
+    else:
+        got = {2: torch.zeros(4), 1: torch.zeros(4)}
+        works = [dist.irecv(got[g], 0, group=group) for g, group in ((2, g2), (1, g1))]   # the other order
+    for work in works:
+        work.wait()
+dist.destroy_process_group()
+print(json.dumps({"flushed": provider.force_flush(30000), "names": [g1.group_name, g2.group_name]}))
+"""
+
+
+def test_messages_on_two_groups_pair_within_their_group(collector):
+    """Each process group is a communicator of its own: rank 0 sends on g1 then g2, rank 1
+    receives on g2 first. Keyed (src, dst, tag, seq) alone, both were message 0 from 0 to 1
+    and, of one size, were paired across the groups in silence."""
+    reports = run_ranks(GROUPS_WORKER, 2, collector, job_id="p2p-groups")
+    assert all(report["flushed"] for report in reports)
+    pairs = check_p2p_pairs(spans(collector))
+    assert len(pairs) == 2 and all(s["a"][sc.P2P_GROUP] == r["a"][sc.P2P_GROUP] for s, r in pairs)
+    assert sorted(s["a"][sc.P2P_GROUP] for s, _ in pairs) == sorted(reports[0]["names"])
+    from crosstrace.collector.matching import match
+    store = Store(collector.store, readonly=True)
+    try:
+        table = spantable.load(store)
+    finally:
+        store.close()
+    for send, recv in match(table).p2p.tolist():   # the collector pairs them so too
+        assert table.attributes[send][sc.P2P_GROUP] == table.attributes[recv][sc.P2P_GROUP]

@@ -12,9 +12,10 @@ The keys the collector joins on (proto/semconv.py):
   rank. Also op (the family: all_gather_into_tensor is "all_gather"), bytes (this
   rank's input), ranks (the group's global ranks), async, and the root of a broadcast,
   reduce, gather or scatter.
-- Point-to-point: (p2p.src, p2p.dst, p2p.tag, p2p.seq) in global ranks; seq counts the
-  messages from src to dst with that tag in the order each side posts them, which is the
-  order the backends match them in.
+- Point-to-point: (p2p.group, p2p.src, p2p.dst, p2p.tag, p2p.seq), ranks global; seq
+  counts the messages from src to dst with that tag on that group in the order each side
+  posts them, which is the order the backends match them in (each group is a communicator
+  of its own).
 
 Timing: a synchronous call is timed by the call (with NCCL it returns once the kernel is
 queued: host time only); an async one (async_op=True, isend, irecv, batch_isend_irecv)
@@ -38,7 +39,11 @@ and seq when it completes, which pairs it right where such receives complete in 
 order they were posted (a blocking recv, irecvs waited in order), and may pair it with
 another send of its sender where they do not (the collector unpairs those whose sizes
 differ); under torch.compile the wrappers and DDP's hooks run as Python, outside the
-compiled graph (a collective called in a compiled function breaks the graph there).
+compiled graph (a collective called in a compiled function breaks the graph there); a
+collective issued from a thread with no trace context of its own belongs to the step open
+in the process at that moment (DDP's autograd and backend threads, and a backward run on a
+thread, need that), so one that a thread runs beside the steps (a heartbeat) may fall in a
+step on one rank and outside it on another, and is then left unmatched.
 """
 import atexit
 import functools
@@ -196,7 +201,7 @@ class _Group:
 
 
 _groups: dict[str, _Group] = {}
-_pairs: dict[tuple[int, int, int], itertools.count] = {}
+_pairs: dict[tuple[str, int, int, int], itertools.count] = {}
 _p2p_tags: dict[int, dict] = {}
 
 
@@ -214,11 +219,18 @@ def _group(pg) -> _Group | None:
     return group
 
 
-def _pair_seq(src: int, dst: int, tag: int) -> int:
-    counter = _pairs.get((src, dst, tag))
+def _pair_seq(group: str, src: int, dst: int, tag: int) -> int:
+    """The next message's number from src to dst with this tag on this group: each group is a
+    communicator of its own, whose messages between two ranks match apart from another's."""
+    key = (group, src, dst, tag)
+    counter = _pairs.get(key)
     if counter is None:
-        counter = _pairs.setdefault((src, dst, tag), itertools.count())
+        counter = _pairs.setdefault(key, itertools.count())
     return next(counter)
+
+
+def _group_name(pg) -> str:
+    return (pg if pg is not None else c10d._get_default_group()).group_name
 
 
 def tag_p2p(tensor, attributes: dict) -> None:
@@ -318,18 +330,19 @@ def _traced_collective(name: str, original):
     return _not_compiled(traced)
 
 
-def _start_p2p(name: str, send: bool, peer, tag: int, tensor):
-    """A SEND or RECV span keyed (src, dst, tag, seq); None when not recorded. The pair's
-    counter advances either way (not for a receive from any source: see _any_source)."""
+def _start_p2p(name: str, send: bool, pg, peer, tag: int, tensor):
+    """A SEND or RECV span keyed (group, src, dst, tag, seq); None when not recorded. The
+    pair's counter advances either way (not for a receive from any source: _any_source)."""
     extra = _p2p_tags.pop(id(tensor), None)
     me = c10d.get_rank()
     src, dst = (me, peer) if send else (peer, me)
-    seq = _pair_seq(src, dst, tag) if peer is not None else None
-    parent = _parent(key=None if seq is None else ("p2p", src, dst, tag, seq))
+    group = _group_name(pg)
+    seq = _pair_seq(group, src, dst, tag) if peer is not None else None
+    parent = _parent(key=None if seq is None else ("p2p", group, src, dst, tag, seq))
     if parent is False:
         return None
-    attributes = {sc.KIND: "send" if send else "recv", sc.P2P_SRC: src, sc.P2P_DST: dst, sc.P2P_TAG: tag,
-                  sc.P2P_SEQ: seq, sc.P2P_BYTES: _nbytes(tensor)}
+    attributes = {sc.KIND: "send" if send else "recv", sc.P2P_GROUP: group, sc.P2P_SRC: src, sc.P2P_DST: dst,
+                  sc.P2P_TAG: tag, sc.P2P_SEQ: seq, sc.P2P_BYTES: _nbytes(tensor)}
     if extra:
         attributes.update(extra)
     return _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
@@ -339,7 +352,7 @@ def _any_source(group, tag: int):
     """For a receive from any source: set src and seq once the sender is known."""
     def finish(result, spans):
         src = result if isinstance(result, int) else _global_rank(group, None, result._source_rank())
-        seq = _pair_seq(src, c10d.get_rank(), tag)
+        seq = _pair_seq(_group_name(group), src, c10d.get_rank(), tag)
         for span in spans:
             if span is not None:
                 span.set_attributes({sc.P2P_SRC: src, sc.P2P_SEQ: seq})
@@ -362,7 +375,7 @@ def _traced_p2p(name: str, original):
                 peer = _global_rank(group, params.get(peer_arg, args, kwargs),
                                     params.get(f"group_{peer_arg}", args, kwargs))
                 tag = params.get("tag", args, kwargs) or 0
-                span = _start_p2p(name, send, peer, tag, params.get("tensor", args, kwargs))
+                span = _start_p2p(name, send, group, peer, tag, params.get("tensor", args, kwargs))
                 if peer is None:  # counted once the sender is known, recorded or not
                     finish = _any_source(group, tag)
         except Exception as exc:
@@ -385,7 +398,8 @@ def _traced_batch(name: str, untraced_batch):
                 send = p2p.op == isend  # the original or its stand-in: they compare equal
                 p2p.op = c10d.isend if send else c10d.irecv  # torch tells them apart by identity
                 sends.append(send)
-                spans.append(_start_p2p("isend" if send else "irecv", send, p2p.peer, p2p.tag, p2p.tensor))
+                spans.append(_start_p2p("isend" if send else "irecv", send, p2p.group, p2p.peer, p2p.tag,
+                                        p2p.tensor))
         except Exception as exc:
             spans, failure = [], exc
         try:
