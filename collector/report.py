@@ -203,10 +203,16 @@ def _per_rank(at, labels: _Labels, out: list) -> None:
 
 
 def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
-    """Per trace: the node whose late entries made others wait longest (its delay cost), the
-    span it was busy with, the cost per node, and the worst single waits."""
+    """Per trace: the straggler, the span it was busy with, the cost per node, and the worst
+    single waits. The straggler is the node whose late entries made others wait longest (its
+    delay cost) less the time it waited itself: in a chain (a pipeline, a ring) a rank held
+    up by a slow one holds up the next one in turn, and its own cost is passed on to it;
+    the rank that waited for nobody is where the delay began."""
     w, t, m = at.waits, labels.t, at.matches
     delay = _delay_costs(at.dag, t, len(out), len(labels.nodes))
+    waited = np.zeros_like(delay)
+    waiting = [attribution.C[c] for c in ("collective.wait", "p2p.wait", "bubble")]
+    waited[at.group_trace, at.group_node] = at.per_rank[:, waiting].sum(axis=1)
     order, bounds = _by_trace(w.trace, len(out))
     for tr in range(len(out)):
         sel = order[bounds[tr]:bounds[tr + 1]]
@@ -217,7 +223,7 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
         cost = delay[tr]
         if not cost.any():
             continue
-        worst = int(np.argmax(cost))
+        worst = int(np.argmax(np.where(cost > 0, cost - waited[tr], np.iinfo(np.int64).min)))
         own = sel[late_node == worst][0]     # its costliest wait
         waits = []
         for i in sel[:top].tolist():

@@ -472,3 +472,22 @@ def test_a_pipeline_ranks_window_ends_where_its_next_step_begins():
                      ("1", "stage1"): (20, {"compute": 10, "bubble": 10}),
                      ("2", "stage0"): (20, {"compute": 10, "bubble": 10}),   # from its step 1's end, not 15
                      ("2", "stage1"): (25, {"compute": 10, "bubble": 15})}   # the drain: to trace 2's end
+
+
+def test_the_straggler_is_where_the_delay_began_not_who_passed_it_on():
+    """A chain r0 -> r1 -> r2: r0 computes 30 ms before it sends; r1, held up that long,
+    computes 3 ms and sends on; r2 waits 33 ms. r1 made others wait longest (33 ms), but it
+    waited 30 ms itself: the straggler is r0 (a pipeline's slow first stage)."""
+    s = Spans()
+    for r in range(3):
+        s.add("step", Kind.INTERNAL, 0, 40, f"r{r}")
+    s.add("work", Kind.COMPUTE, 0, 30, "r0")
+    s.add("send", Kind.SEND, 30, 31, "r0", **p2p(0, 1, 0))
+    s.add("recv", Kind.RECV, 0, 31, "r1", **p2p(0, 1, 0))
+    s.add("work", Kind.COMPUTE, 31, 34, "r1")
+    s.add("send", Kind.SEND, 34, 35, "r1", **p2p(1, 2, 0))
+    s.add("recv", Kind.RECV, 1, 35, "r2", **p2p(1, 2, 0))
+    table, at, out = analyse(s.spans, {"r0": 0, "r1": 1, "r2": 2})
+    straggler = out[0]["straggler"]
+    assert (straggler["node"], straggler["span"]) == ("r0", "work"), straggler
+    assert straggler["by_node"] == {"r0": 30 * MS, "r1": 33 * MS}
