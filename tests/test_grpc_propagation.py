@@ -702,3 +702,27 @@ def test_a_traced_streaming_handler_fails_as_an_untraced_one(collector):
     flush_all({"server": provider})
     spans, _ = load(collector)
     assert sorted((s["name"], s["status"]) for s in spans) == [("test.Svc/Early", 2), ("test.Svc/List", 2)]
+
+
+def test_a_future_kept_only_by_its_callback_completes(collector):
+    """Untraced, grpc keeps a future alive through the callbacks added to it; traced, the
+    handle a caller held was dropped, and its finalizer cancelled a call still wanted."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="client", udp_clock=False)
+
+    def slow(request, context):
+        time.sleep(0.3)
+        return request
+
+    done = []
+    finished = threading.Event()
+    server, address = sync_server(None, {"Slow": grpc.unary_unary_rpc_method_handler(slow)})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        channel.unary_unary("/test.Svc/Slow").future(b"x", timeout=10).add_done_callback(
+            lambda future: (done.append(future.code()), finished.set()))
+        gc.collect()
+        assert finished.wait(10)
+    finally:
+        server.stop(0)
+    assert done == [grpc.StatusCode.OK]
+    flush_all({"client": provider})

@@ -45,14 +45,20 @@ class Spooled:
 class Spool:
     def __init__(self, root: str, node_id: str, session_id: bytes):
         self.root = root
-        self.dir = os.path.join(root, _safe(node_id), session_id.hex())
-        os.makedirs(self.dir, exist_ok=True)
+        node_dir = os.path.join(root, _safe(node_id))
+        self.dir = os.path.join(node_dir, session_id.hex())
         self.bytes = 0                  # of every batch this spool holds, own and adopted
         self._number = 0
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}  # folder -> fd holding its lock (own and adopted)
-        if not self._take(self.dir):
-            raise OSError(f"spool folder {self.dir} is locked by another process")
+        # Made under a hidden name and locked before it shows: another process's adopt() could
+        # otherwise take the new, empty folder for a dead one's and remove it.
+        making = os.path.join(node_dir, "." + session_id.hex())
+        os.makedirs(making, exist_ok=True)
+        if not self._take(making):
+            raise OSError(f"spool folder {making} is locked by another process")
+        os.replace(making, self.dir)
+        self._held[self.dir] = self._held.pop(making)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -101,16 +107,21 @@ class Spool:
         except OSError:
             return found
         for entry in sessions:
-            if not entry.is_dir() or entry.path == self.dir or not self._take(entry.path):
+            if (not entry.is_dir() or entry.name.startswith(".") or entry.path == self.dir
+                    or not self._take(entry.path)):
                 continue
             batches = []
-            for item in os.scandir(entry.path):
-                match = _BATCH.match(item.name)
-                if match:
-                    number, seq, spans = map(int, match.groups())
-                    batches.append((number, Spooled(item.path, seq, spans, item.stat().st_size)))
-                elif item.name.endswith(".tmp"):
-                    os.unlink(item.path)   # a write that never finished
+            try:
+                for item in os.scandir(entry.path):
+                    match = _BATCH.match(item.name)
+                    if match:
+                        number, seq, spans = map(int, match.groups())
+                        batches.append((number, Spooled(item.path, seq, spans, item.stat().st_size)))
+                    elif item.name.endswith(".tmp"):
+                        os.unlink(item.path)   # a write that never finished
+            except OSError:   # removed meanwhile: its owner closed it empty as this process took it
+                self._release_if_empty(entry.path)
+                continue
             batches.sort(key=lambda b: b[0])
             for _, item in batches:
                 found.append(item)

@@ -296,6 +296,11 @@ class _CallHandle:
     def __next__(self):
         return next(self._call)
 
+    def add_done_callback(self, fn) -> None:
+        """As grpc's: `fn` gets this handle, and holds it until the call is done (a future
+        kept only by its callback is not dropped, so not cancelled, as untraced)."""
+        self._call.add_done_callback(lambda _: fn(self))
+
     def __del__(self):
         try:
             self._call.cancel()   # nothing, on a call that is done
