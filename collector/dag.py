@@ -174,6 +174,22 @@ def _depth(parent: np.ndarray) -> np.ndarray:
     return depth
 
 
+def _next_on_lane(order, lane, start, end, row_base, span: int, on_lane, at, at_base):
+    """For each query (a lane, a time, the base of its trace's times): the first event of
+    `order` (every lane's boundaries in the lane's order, _thread_order) on that lane at or
+    after that time. Returns (the queries that have one, those events); none where one
+    int64 key cannot hold every lane's times (a trace of weeks over thousands of lanes)."""
+    rows = order >> 1
+    if not len(on_lane) or (int(lane.max()) + 1) * (span + 1) >= 1 << 62:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    time = np.where(order & 1, end[rows], start[rows])
+    keys = lane[rows] * (span + 1) + (time - row_base[rows])
+    where = np.searchsorted(keys, on_lane * (span + 1) + (at - at_base), "left")
+    found = np.flatnonzero(where < len(keys))
+    found = found[lane[rows[where[found]]] == on_lane[found]]
+    return found, order[where[found]]
+
+
 def _thread_order(table: SpanTable, start, end, parent, trace_start, span: int):
     """Every lane's (trace, node, thread) boundaries in the order the thread passed them:
     by time; at one instant, the ends of spans that began earlier, then starts, then the
@@ -239,6 +255,12 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     child = child[lane[child] != lane[parent[child]]]
     add(S[parent[child]], S[child], Edge.CHILD_START)
     add(E[child], E[parent[child]], Edge.CHILD_END)
+    # A child on another lane of its node (a task the parent awaited, a thread it joined) also
+    # comes before what its parent's lane does next: gather, then more work in the same task.
+    joined = child[table.node[child] == table.node[parent[child]]]
+    waiter, resumes = _next_on_lane(order, lane, start, end, trace_start[trace], span,
+                                    lane[parent[joined]], end[joined], trace_start[trace[joined]])
+    add(E[joined[waiter]], resumes, Edge.THREAD)
     client, server = matches.rpc[:, 0], matches.rpc[:, 1]
     add(S[client], S[server], Edge.RPC_REQUEST)
     add(E[server], E[client], Edge.RPC_RESPONSE)

@@ -491,3 +491,19 @@ def test_the_straggler_is_where_the_delay_began_not_who_passed_it_on():
     straggler = out[0]["straggler"]
     assert (straggler["node"], straggler["span"]) == ("r0", "work"), straggler
     assert straggler["by_node"] == {"r0": 30 * MS, "r1": 33 * MS}
+
+
+def test_work_after_awaiting_other_tasks_waits_for_them():
+    """A request awaits two tasks (asyncio.gather; each task is a lane of its own), then
+    post-processes in its own task: the post-processing waited for the slower task, where
+    the path ran from it straight back to the request's start, the wait as host.overhead."""
+    s = Spans()
+    request = s.add("request", Kind.INTERNAL, 0, 70, "n", thread=1)
+    s.add("a", Kind.COMPUTE, 1, 61, "n", request, thread=2)
+    s.add("b", Kind.COMPUTE, 1, 11, "n", request, thread=3)
+    s.add("postprocess", Kind.COMPUTE, 62, 67, "n", request, thread=1)
+    table, at, out = analyse(s.spans, {"n": -1})
+    check_tiles(at)
+    assert [seg["span"] for seg in out[0]["critical_path"] if seg["duration_ns"] >= MS] == [
+        "request", "a", "request", "postprocess", "request"]
+    assert ms(out[0]["attribution"]) == {"compute": 65, "host.overhead": 5}
