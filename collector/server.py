@@ -180,7 +180,7 @@ class CollectorService:
             probe = pb.ClockProbe.FromString(data)
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ClockProbe: {exc}")
-        return pb.ClockProbeReply(t1=probe.t1, t2=t2, t3=self.now()).SerializeToString()
+        return pb.ClockProbeReply(t1=probe.t1, t2=t2, t3=self.now(), clock=self.store.clock).SerializeToString()
 
     def refuse(self, exc: BadBatch, context) -> None:
         """End the call over a batch that cannot be read at all, counted by reason."""

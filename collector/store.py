@@ -105,11 +105,13 @@ class Store:
         self._node_ids: dict[tuple[str, str], tuple[int, str]] = {}   # (node id, clock) -> (row, name)
         self.recent = RecentKeys(window)
         self.now = now
+        self.clock = clock or clock_domain()   # a writer's: the clock its collector answers probes on
         self.shift_ns = 0
+        self._shifts: dict[str, int] = {}      # collector clock -> its shift onto the timeline
         try:
             self._open(sync)
             if not readonly:
-                self.now = self._timeline(now, clock or clock_domain())
+                self.now = self._timeline(now, self.clock)
                 self._load_recent_keys()
         except sqlite3.DatabaseError as exc:    # OperationalError too (a full disk, say)
             raise ValueError(self._cannot_open(exc)) from None
@@ -193,6 +195,7 @@ class Store:
             if self.db.execute("SELECT 1 FROM collector_clocks LIMIT 1").fetchone() is not None:
                 self.shift_ns = wall_offset - int(self.meta("epoch_offset_ns"))
             self.db.execute("INSERT INTO collector_clocks VALUES (?, ?, ?)", (clock, self.shift_ns, time.time_ns()))
+        self._shifts = dict(self.db.execute("SELECT clock, shift_ns FROM collector_clocks"))
         shift = self.shift_ns
         return now if not shift else (lambda: now() + shift)
 
@@ -298,7 +301,7 @@ class Store:
         if checked.samples:
             db.executemany("INSERT INTO clock_samples (node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, "
                            "error_ns, server, received_ns, peer_clock) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                           [self._sample_row(node, s, now) for s in checked.samples])
+                           [row for row in (self._sample_row(node, s, now) for s in checked.samples) if row])
         keep = checked.keep.copy()
         keys = span_keys(cols["trace_id_hi"], cols["trace_id_lo"], cols["span_id"])
         duplicates = self._mark_duplicates(keys, keep)
@@ -310,11 +313,17 @@ class Store:
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)", (batch.session_id, batch.seq, accepted, duplicates))
         return WriteResult(accepted, duplicates)
 
-    def _sample_row(self, node: int, s: "pb.ClockSample", now: int) -> tuple:
-        """A clock_samples row; what was measured against this collector's clock, on the timeline."""
+    def _sample_row(self, node: int, s: "pb.ClockSample", now: int) -> tuple | None:
+        """A clock_samples row; what was measured against a collector's clock, on the timeline:
+        shifted as the clock that answered it (a batch probed before a reboot can arrive
+        after it), the current one's where the tracer did not say; None for a clock this
+        store never had."""
         t2, t3 = s.t2, s.t3
-        if self.shift_ns and not s.peer and s.source in MEASURED_HERE:
-            t2, t3 = t2 + self.shift_ns, t3 + self.shift_ns
+        if not s.peer and s.source in MEASURED_HERE:
+            shift = self._shifts.get(s.peer_clock) if s.peer_clock else self.shift_ns
+            if shift is None:
+                return None
+            t2, t3 = t2 + shift, t3 + shift
         return (node, s.source, s.peer, s.t1, t2, t3, s.t4, s.local_ns, s.offset_ns, s.error_ns, s.server, now,
                 s.peer_clock or None)
 

@@ -415,3 +415,26 @@ def test_absurd_clock_samples_are_rejected_and_reports_go_on(collector):
     out = subprocess.run([sys.executable, "-m", "crosstrace", "report", "--store", collector.store],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_exchanges_are_placed_by_the_collector_clock_that_answered_them(tmp_path):
+    """A batch probed before its collector came back on another clock can arrive after
+    (spooled, or held while it was down): its exchanges were shifted by the new clock's
+    offset, an uptime off. A probe's answer names its clock; the store shifts each exchange
+    by the clock that answered it, and leaves out one answered by a clock it never had."""
+    from crosstrace.collector.ingest import check
+
+    path = str(tmp_path / "store.db")
+    Store(path, clock="collector:A").close()                           # the first collector's clock
+    later = Store(path, now=lambda: time.monotonic_ns() - 3600 * 10**9, clock="collector:B")
+    try:
+        assert abs(later.shift_ns - 3600 * 10**9) < 10**9
+        b = batch(1)
+        for t1, answered_by in ((1, "collector:A"), (2, "collector:B"), (3, ""), (4, "collector:unknown")):
+            b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t1, t2=10, t3=20, t4=t1 + 30,
+                                                  local_ns=t1, peer_clock=answered_by))
+        later.write([check(b)])
+        shifted = {row[3]: row[4] - 10 for row in later.clock_samples()}
+    finally:
+        later.close()
+    assert shifted == {1: 0, 2: later.shift_ns, 3: later.shift_ns}   # the last: a tracer that did not say

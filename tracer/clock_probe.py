@@ -45,14 +45,18 @@ class ClockProber:
         self._next = now + self.cfg.clock_probe_interval_s
         if self._sources is not None:
             self._sources.start()
+        udp_samples = []
         if self._udp is not None:
-            self.samples.extend(self._udp.burst(self.cfg.clock_probe_burst))
+            udp_samples = self._udp.burst(self.cfg.clock_probe_burst)
             if self._udp.failed_bursts >= _UDP_GIVE_UP_AFTER:
                 log.info("crosstrace: no UDP clock answers from %s; using the gRPC exchange only",
                          self.cfg.endpoint)
                 self._udp.close()
                 self._udp = None
-        self._grpc_burst()
+        clock = self._grpc_burst()
+        for sample in udp_samples:   # UDP answers do not name their clock: the gRPC ones of this round do
+            sample.peer_clock = clock
+        self.samples.extend(udp_samples)
 
     def due_now(self) -> None:
         """Probe on the exporter thread's next round (at exit: a short-lived process then
@@ -65,20 +69,26 @@ class ClockProber:
         if self._sources is not None:
             self._sources.stop()
 
-    def _grpc_burst(self) -> None:
+    def _grpc_burst(self) -> str:
+        """Probe over gRPC; returns the name of the clock that answered ("" if none did, or
+        the collector did not say): samples name it, so that the collector can place one
+        answered before it came back on another clock (a batch held while it was away)."""
         exchange = self._get_channel().unary_unary(
             _CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
             response_deserializer=pb.ClockProbeReply.FromString)
         clock_now, node = self.clock.now, self.cfg.node_id
+        clock = ""
         for _ in range(self.cfg.clock_probe_burst):
             t1 = clock_now()
             try:
                 reply = exchange(pb.ClockProbe(node_id=node, t1=t1), timeout=1.0)
             except grpc.RpcError:
-                return
+                break
             t4 = clock_now()
+            clock = reply.clock
             self.samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t1, t2=reply.t2, t3=reply.t3,
-                                               t4=t4, local_ns=t1))
+                                               t4=t4, local_ns=t1, peer_clock=clock))
+        return clock
 
 
 def add_piggyback_sample(samples, t1: int, t4: int, trailer: str) -> None:

@@ -168,11 +168,13 @@ class ClockProbe(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., t1: _Optional[int] = ...) -> None: ...
 
 class ClockProbeReply(_message.Message):
-    __slots__ = ("t1", "t2", "t3")
+    __slots__ = ("t1", "t2", "t3", "clock")
     T1_FIELD_NUMBER: _ClassVar[int]
     T2_FIELD_NUMBER: _ClassVar[int]
     T3_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     t1: int
     t2: int
     t3: int
-    def __init__(self, t1: _Optional[int] = ..., t2: _Optional[int] = ..., t3: _Optional[int] = ...) -> None: ...
+    clock: str
+    def __init__(self, t1: _Optional[int] = ..., t2: _Optional[int] = ..., t3: _Optional[int] = ..., clock: _Optional[str] = ...) -> None: ...
