@@ -96,8 +96,9 @@ def fit_models(store) -> dict[str, ClockModel]:
 def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
                 on_utc: set[str] = frozenset()) -> dict[str, ClockModel]:
     """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers
-    (named by their rows, Store.clock_samples). A node whose spans are stamped in UTC (`on_utc`: OTLP senders, whose times are their wall
-    clock's) and that nothing else measures is on the UTC link itself, as good as its NTP."""
+    (named by their rows, Store.clock_samples). A node whose spans are stamped in UTC
+    (`on_utc`: OTLP senders, whose times are their wall clock's) and that nothing else
+    measures is on the UTC link itself, as good as its NTP."""
     direct = {node: combine(s.direct) for node, s in sources.items()}
     utc_link = _utc_link(sources, direct, epoch_offset_ns)
     models = {}

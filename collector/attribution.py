@@ -190,11 +190,10 @@ def _label_path(dag: Dag, paths: Paths, kind: np.ndarray, pipeline_row: np.ndarr
     return _uncertain(cat, paths.end - paths.start, paths.error), row
 
 
-def pieces(table: SpanTable, dag: Dag, start, end, error):
+def pieces(table: SpanTable, dag: Dag, kind, start, end, error):
     """Per-rank pieces (row, start, end, category): each span split where its partner or
-    join entered. Untyped spans add none (their time is the gap category), but inside a
-    typed one (self_kinds)."""
-    kind = self_kinds(table, dag)
+    join entered; `kind` per row is self_kinds'. Untyped spans add none (their time is the
+    gap category), but inside a typed one."""
     rows, s, e, cat, err = [], [], [], [], []
 
     def add(r, a, b, c, x=0):
@@ -402,12 +401,14 @@ def attribute_paths(table: SpanTable, alignment: Alignment, matches: Matches, da
     group_pipeline = np.zeros(n_groups, dtype=bool)
     group_pipeline[group[pp_rows]] = True
 
-    seg_cat, seg_row = _label_path(dag, paths, self_kinds(table, dag), group_pipeline[group])
+    kind = self_kinds(table, dag)
+    seg_cat, seg_row = _label_path(dag, paths, kind, group_pipeline[group])
     critical = np.zeros((n_traces, REMOTE + 1), dtype=np.int64)
     np.add.at(critical, (paths.trace, seg_cat), paths.end - paths.start)
 
     lo, hi = _windows(table, dag, start, end, group, n_groups, group_trace, group_node, group_pipeline)
-    per_rank = _per_rank(table, dag, alignment.error.astype(np.int64), group, group_trace, group_pipeline, lo, hi)
+    per_rank = _per_rank(table, dag, kind, alignment.error.astype(np.int64), group, group_trace, group_pipeline,
+                         lo, hi)
     window = hi - lo
 
     waits, join_wait, join_transfer = _waits(table, dag, start, end)
@@ -453,12 +454,12 @@ def _windows(table: SpanTable, dag: Dag, start, end, group, n_groups, group_trac
     return lo, hi
 
 
-def _per_rank(table: SpanTable, dag: Dag, error, group, group_trace, group_pipeline, lo, hi) -> np.ndarray:
+def _per_rank(table: SpanTable, dag: Dag, kind, error, group, group_trace, group_pipeline, lo, hi) -> np.ndarray:
     """(groups, categories + 1) ns: every instant of each node's window [lo, hi) once."""
     n = dag.n_rows
     start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
     span = int((dag.trace_end - dag.trace_start).max()) if len(dag.trace_start) else 0
-    rows, s, e, cat = pieces(table, dag, start, end, error)
+    rows, s, e, cat = pieces(table, dag, kind, start, end, error)
     rows, s, e, cat = _minus_children(table, dag, rows, s, e, cat, dag.trace_start[table.trace], span)
     g = group[rows]
     s, e = np.maximum(s, lo[g]), np.minimum(e, hi[g])

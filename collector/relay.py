@@ -5,8 +5,9 @@ session and seq, so that the upstream collector deduplicates replays exactly.
 
 One thing changes on the way: a device's two-way clock exchanges answered by this relay
 (GRPC_EXCHANGE / UDP_EXCHANGE samples with no peer) measured the device against the
-relay, so they go up with `peer` = the relay's node id and `peer_clock` = its clock (a
-relay rebooted under its node id is another clock upstream, Store.clock_samples). The relay's own exchanges with
+relay, so they go up with `peer` = the relay's node id, and `peer_clock` = the relay's clock
+that answered them, which the device noted from the answer (a relay rebooted under its node
+id is another clock upstream, Store.clock_samples). The relay's own exchanges with
 upstream travel in its own batches; upstream then composes device -> relay -> upstream,
 with bounds that add (collector/align.py). Relays chain the same way.
 
@@ -19,11 +20,13 @@ from .store import MEASURED_HERE
 
 
 def for_upstream(batch: "pb.SpanBatch", relay_node_id: str, relay_clock: str) -> "pb.SpanBatch":
-    """`batch` with its device-to-relay clock exchanges naming the relay and its clock as
-    their peer (in place)."""
+    """`batch` with its device-to-relay clock exchanges naming the relay as their peer (in
+    place), and its clock where the device did not say (an older tracer): a batch probed
+    before the relay rebooted names the clock that answered it, not the relay's now."""
     for sample in batch.clock_samples:
         if not sample.peer and sample.source in MEASURED_HERE:
-            sample.peer, sample.peer_clock = relay_node_id, relay_clock
+            sample.peer = relay_node_id
+            sample.peer_clock = sample.peer_clock or relay_clock
     return batch
 
 

@@ -373,8 +373,8 @@ class TracerProvider(trace_api.TracerProvider):
         at the timeout, or where spans were given up meanwhile (a batch refused)."""
         if self._exporter is None:
             return True
-        dropped = self.dropped_spans
-        return self._exporter.flush(timeout_millis / 1000) and self.dropped_spans == dropped
+        given_up = self._exporter.dropped   # batched spans given up; not spans ended meanwhile
+        return self._exporter.flush(timeout_millis / 1000) and self._exporter.dropped == given_up
 
     def shutdown(self, timeout_millis: int | None = None) -> bool:
         """Flush what is queued (bounded by `timeout_millis`, default the exit timeout), then stop."""

@@ -76,7 +76,7 @@ def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
     return f'<svg width="{width + 2:.0f}" height="{height}">{"".join(parts)}</svg>'
 
 
-def _timeline(trace: dict, index: int, analysed, at, pieces) -> str:
+def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     """One trace: a lane per node, spans by nesting depth, the critical path on top."""
     t, dag, paths = analysed.table, at.dag, at.paths
     n = len(t)
@@ -112,7 +112,7 @@ def _timeline(trace: dict, index: int, analysed, at, pieces) -> str:
                      f'<text x="4" y="{top[k] + 11}" class="lane-label">{html.escape(label[:26])}</text></g>')
     # Colours as the per-rank breakdown counts them (attribution decides, not this view).
     pipeline = at.group_pipeline[at.group]
-    for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(attribution.self_kinds(t, dag)[rows], pipeline[rows]).tolist()):
+    for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(kinds[rows], pipeline[rows]).tolist()):
         kind = _kind(int(t.kind[r]))
         y0 = top[int(t.node[r])] + d * ROW
         title = f"{t.names[t.name[r]]} ({kind.name.lower()}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
@@ -210,7 +210,7 @@ def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
     return "".join(out)
 
 
-def _trace_section(title: str, trace: dict, analysed, at, pieces) -> str:
+def _trace_section(title: str, trace: dict, analysed, at, kinds, pieces) -> str:
     index = analysed.table.trace_ids.index(trace["trace_id"])
     s = trace.get("straggler")
     straggler = ""
@@ -225,7 +225,7 @@ def _trace_section(title: str, trace: dict, analysed, at, pieces) -> str:
                       f"{pipe['microbatches']} microbatches).</p>")
     return (f'<section class="trace"><h2>{title}: {html.escape(trace["name"])} <code>{trace["trace_id"][:16]}</code>, '
             f'{fmt_ns(trace["duration_ns"])}, {trace["spans"]} spans on {trace["nodes"]} nodes</h2>{straggler}'
-            f'{_timeline(trace, index, analysed, at, pieces)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
+            f'{_timeline(trace, index, analysed, at, kinds, pieces)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
 
 
 def render(report: dict, analysed, attributed) -> str:
@@ -236,10 +236,13 @@ def render(report: dict, analysed, attributed) -> str:
         by_duration = sorted(traces, key=lambda tr: tr["duration_ns"])
         slowest, typical = by_duration[-1], by_duration[(len(by_duration) - 1) // 2]
         dag, n = attributed.dag, len(analysed.table)     # the spans split at partners and joins, once
-        pieces = attribution.pieces(analysed.table, dag, dag.time[0:2 * n:2], dag.time[1:2 * n:2], dag.error[0:2 * n:2])
-        body.append(_trace_section("slowest trace", slowest, analysed, attributed, pieces))
+        kinds = attribution.self_kinds(analysed.table, dag)
+        pieces = attribution.pieces(analysed.table, dag, kinds, dag.time[0:2 * n:2], dag.time[1:2 * n:2],
+                                    dag.error[0:2 * n:2])
+        body.append(_trace_section("slowest trace", slowest, analysed, attributed, kinds, pieces))
         if typical is not slowest:
-            body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed, pieces))
+            body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed, kinds,
+                                       pieces))
         body += ["<h2>traces: where the critical path goes</h2>", _trace_bars(traces)]
         if report.get("summary"):
             body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"])]

@@ -299,6 +299,27 @@ def _global_rank(group, rank, group_rank):
     return c10d.get_global_rank(group if group is not None else c10d._get_default_group(), group_rank)
 
 
+def _collective_span(name: str, group: _Group, op: str, asynchronous: bool, measure):
+    """The span of the next collective on `group`, keyed (group, seq); None inside an
+    unsampled step (the number is taken either way). `measure()` gives (bytes, global rank
+    of the root or None), read only for a span that is recorded."""
+    seq = group.take()
+    parent = _parent(key=("collective", group.name, seq))
+    if parent is False:
+        return None
+    nbytes, root = measure()
+    attributes = _collective_keys(group, seq, op, asynchronous, nbytes)
+    if root is not None:
+        attributes[sc.COLL_ROOT] = root
+    return _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
+
+
+def _collective_keys(group: _Group, seq: int, op: str, asynchronous: bool, nbytes: int) -> dict:
+    """A collective span's attributes that every one has (the join key and what it moved)."""
+    return {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq, sc.COLL_OP: op,
+            sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: asynchronous, sc.COLL_BYTES: nbytes}
+
+
 def _traced_collective(name: str, original):
     op, input_arg, root_arg = COLLECTIVES[name]
     params = Params(original)
@@ -312,17 +333,11 @@ def _traced_collective(name: str, original):
             pg = params.get("group", args, kwargs)
             group = _group(pg)
             if group is not None:
-                seq = group.take()
                 asynchronous = bool(params.get("async_op", args, kwargs))
-                parent = _parent(key=("collective", group.name, seq))
-                if parent is not False:
-                    attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
-                                  sc.COLL_OP: op, sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: asynchronous,
-                                  sc.COLL_BYTES: _nbytes(params.get(input_arg, args, kwargs)) if input_arg else 0}
-                    if root_arg is not None:
-                        attributes[sc.COLL_ROOT] = _global_rank(pg, params.get(root_arg, args, kwargs),
-                                                                params.get(f"group_{root_arg}", args, kwargs))
-                    span = _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
+                span = _collective_span(name, group, op, asynchronous, lambda: (
+                    _nbytes(params.get(input_arg, args, kwargs)) if input_arg else 0,
+                    None if root_arg is None else _global_rank(pg, params.get(root_arg, args, kwargs),
+                                                               params.get(f"group_{root_arg}", args, kwargs))))
         except Exception as exc:  # tracing must not change what the call does
             failure = exc
         return _call(name, original, args, kwargs, [span] if span is not None else None, asynchronous, failure)
@@ -888,18 +903,12 @@ class BucketTracer:
             _nbytes(tensors), authoritative_rank)
 
     def collective(self, name: str, call, nbytes: int, root: int):
-        """Run `call`, one of DDP's broadcasts, as a collective on the model's group: numbered
-        on every rank, recorded in a sampled step; `root` is a rank of the group."""
+        """Run `call`, one of DDP's broadcasts, as a collective on the model's group (numbered
+        on every rank, recorded in a sampled step); `root` is a rank of the group."""
         span = failure = None
         try:
             group = self.keys
-            seq = group.take()
-            parent = _parent(key=("collective", group.name, seq))
-            if parent is not False:
-                attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: seq,
-                              sc.COLL_OP: "broadcast", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: False,
-                              sc.COLL_BYTES: nbytes, sc.COLL_ROOT: group.ranks[root]}
-                span = _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
+            span = _collective_span(name, group, "broadcast", False, lambda: (nbytes, group.ranks[root]))
         except Exception as exc:  # tracing must not change what the call does
             failure = exc
         return _call(name, call, (), {}, [span] if span is not None else None, False, failure)
@@ -982,9 +991,8 @@ class BucketTracer:
         if parent is False:
             return
         group, params, issued = self.keys, bucket.params, bucket.issued
-        attributes = {sc.KIND: "collective", sc.COLL_GROUP: group.name, sc.COLL_SEQ: bucket.seq,
-                      sc.COLL_OP: "all_reduce", sc.COLL_RANKS: group.ranks, sc.COLL_ASYNC: True,
-                      sc.COLL_BYTES: bucket.nbytes, sc.DDP_BUCKET: bucket.index}
+        attributes = _collective_keys(group, bucket.seq, "all_reduce", True, bucket.nbytes)
+        attributes[sc.DDP_BUCKET] = bucket.index
         if params is not None:
             attributes[sc.DDP_PARAMS] = len(params)
             stats = self.stats_before if bucket.pass_ != self.passes else None   # its pass is over
