@@ -43,6 +43,13 @@ class Alignment:
     facts: int = 0                  # causality facts the trace gave
     violations: int = 0             # facts still broken after refinement: a clock inconsistency
 
+    def to_reference(self, node_id: str, local) -> np.ndarray:
+        """Other times a node stamped (its spans' events) on the reference timeline, as its
+        spans are placed; as they are where the node has no model."""
+        local = np.asarray(local, dtype=np.int64)
+        model = self.models.get(node_id)
+        return model.to_reference(local) if model is not None and model.known else local
+
 
 # -- per node: sources, selection, composition ---------------------------------------------------
 

@@ -76,16 +76,16 @@ class Budget:
         if self.span and self.node:
             what = f"{self.node}.{what}"
         p = "" if self.percentile == 100 else f" p{self.percentile:g}"
-        limit = f"{self.limit * 100:g}%" if self.share else format_ns(self.limit)
+        limit = f"{self.limit * 100:.12g}%" if self.share else format_ns(self.limit, 12)   # as it was given
         scope = f" of {self.traces}" if self.traces and self.share else (f" in {self.traces}" if self.traces else "")
         how = f" ({self.measure})" if self.category and self.measure != "critical_path" else ""
         return f"{what}{p} <= {limit}{scope}{how}"
 
 
-def format_ns(ns: float) -> str:
+def format_ns(ns: float, digits: int = 4) -> str:
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
         if abs(ns) >= scale:
-            return f"{ns / scale:.4g}{unit}"
+            return f"{ns / scale:.{digits}g}{unit}"
     return f"{ns:.0f}ns"
 
 
@@ -210,7 +210,30 @@ def evaluate(budgets: list[Budget], traces: list[dict], table: SpanTable, at: At
     return out
 
 
-def format_value(entry: dict, value) -> str:
+def format_value(entry: dict, value, digits: int = 4) -> str:
     if value is None:
         return "-"
-    return f"{value * 100:.3g}%" if entry["unit"] == "share" else format_ns(value)
+    return f"{value * 100:.{digits - 1}g}%" if entry["unit"] == "share" else format_ns(value, digits)
+
+
+def format_measured(entry: dict) -> tuple[str, str]:
+    """(measured, limit) with the digits it takes to tell them apart: a value just over its
+    limit printed as the limit itself beside VIOLATED."""
+    measured, limit = entry["measured"], entry["limit"]
+    for digits in range(4, 16):
+        shown = format_value(entry, measured, digits), format_value(entry, limit, digits)
+        if measured is None or measured == limit or shown[0] != shown[1]:
+            return shown
+    return shown
+
+
+def verdict(results: list[dict]) -> str:
+    """One line: how many budgets were violated, and how many had no trace to measure."""
+    violated = sum(r["status"] == "violated" for r in results)
+    empty = sum(r["status"] == "no_data" for r in results)
+    if not violated and not empty:
+        return f"all {len(results)} budgets hold"
+    parts = [f"{violated} of {len(results)} budgets violated"] if violated else []
+    if empty:
+        parts.append(f"{empty} of {len(results)} without data (no trace it applies to)")
+    return ", ".join(parts)

@@ -1,7 +1,7 @@
 """The report: one JSON-ready dict per run, on the aligned timeline.
 
 Shape (stable; scripts read it):
-  {"traces": [{"trace_id", "name", "start_ns", "duration_ns", "spans", "nodes",
+  {"traces": [{"trace_id", "name", "start_ns", "duration_ns", "spans", "nodes", "errors",
                "critical_path": [...], "attribution": {category: ns}, "per_rank": {...},
                "straggler", "collectives": {op: {...}}, "pipeline", "unmatched",
                "segments": {segment: ns}}],
@@ -24,7 +24,7 @@ from .align import Alignment, align, fit_models
 from .dag import dense
 from .matching import Matches, match
 from .spantable import SpanTable
-from ..proto.semconv import Kind
+from ..proto.semconv import Kind, Status
 
 
 @dataclasses.dataclass
@@ -48,7 +48,8 @@ def analyse_store(store, trace_ids: list[str] | None = None, progress=None) -> A
 
 
 def trace_summaries(a: Analysed) -> list[dict]:
-    """Per trace: name (its root span, else its earliest span), extent, span and node counts."""
+    """Per trace: name (its root span, else its earliest span), extent, span and node counts,
+    and how many of its spans ended with an ERROR status."""
     t, al = a.table, a.alignment
     n_traces = len(t.trace_ids)
     if not len(t):
@@ -58,6 +59,7 @@ def trace_summaries(a: Analysed) -> list[dict]:
     np.minimum.at(start, t.trace, al.start)
     np.maximum.at(end, t.trace, al.end)
     spans = np.bincount(t.trace, minlength=n_traces)
+    errors = np.bincount(t.trace[t.status == Status.ERROR], minlength=n_traces)
     # Root name: among each trace's root spans (else all its spans), the earliest.
     is_root = t.parent_id == 0
     order = np.lexsort((al.start, ~is_root, t.trace))
@@ -69,7 +71,7 @@ def trace_summaries(a: Analysed) -> list[dict]:
     for i in np.flatnonzero(spans).tolist():
         out.append({"trace_id": t.trace_ids[i], "name": t.names[name_of[i]], "start_ns": int(start[i]),
                     "duration_ns": int(end[i] - start[i]), "spans": int(spans[i]),
-                    "nodes": int(nodes_per_trace[i])})
+                    "nodes": int(nodes_per_trace[i]), "errors": int(errors[i])})
     out.sort(key=lambda tr: tr["start_ns"])
     return out
 

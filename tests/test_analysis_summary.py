@@ -118,3 +118,33 @@ def test_terminal_shows_segments_percentiles_and_requests():
     assert "slowest 'request' traces" in text
     rows = [line for line in text.splitlines() if "71 ms" in line and "20 ms" in line]
     assert rows, text
+
+
+def test_views_name_one_slowest_trace_and_only_categories_with_time():
+    """Two traces of equal duration: the terminal and the HTML page name the same one as
+    the slowest (the earlier); a trace of one untyped span lists host.overhead alone, not
+    categories with no time."""
+    from crosstrace.collector.views import html
+
+    s = Spans(trace=1)
+    s.add("first", Kind.INTERNAL, 0, 10, "n0")
+    s.add("second", Kind.INTERNAL, 20, 30, "n0", trace=2)
+    table, alignment = build(s.spans, {"n0": 0})
+    analysed = Analysed(table, alignment, match(table))
+    at = attribute(table, alignment, analysed.matches)
+    traces = trace_summaries(analysed)
+    details = trace_details(table, at)
+    for tr, d in zip(traces, details):
+        tr.update(d)
+    report = {"store": "s", "traces": traces, "budgets": [], "unmatched": {}, "clocks": {}, "dropped_spans": {},
+              "rejected_spans": {}}
+    console = Console(record=True, width=200)
+    terminal.render(report, console)
+    out = console.export_text()
+    assert "host.overhead 10 ms" in out
+    assert "compute 0" not in out and "data 0" not in out
+    slowest = terminal.slowest_first(traces)[0]
+    assert slowest["name"] == "first" and "│ host.overhead │ n0   │ first │" in out   # its critical path
+    page = html.render(report, analysed, at)
+    assert f"slowest trace: first <code>{slowest['trace_id'][:16]}" in page
+    assert "typical trace (median duration): second" in page

@@ -126,6 +126,38 @@ max = "1ms"
     assert by_rule["no such span <= 1ms"]["status"] == "no_data" and not by_rule["no such span <= 1ms"]["ok"]
 
 
+def test_a_value_just_over_its_limit_prints_apart_from_it(tmp_path):
+    """Measured 60.000001 ms against max 60 ms: the table must not show 60 ms twice beside
+    VIOLATED, and the rule keeps the limit as given; a budget with no data is counted as
+    such, not as violated."""
+    from rich.console import Console
+
+    from crosstrace.collector.views.terminal import render_budgets
+
+    s = Spans()
+    s.add("backward", Kind.COMPUTE, 0, 60.000001, "rank0")
+    results = evaluate(s.spans, {"rank0": 0}, """
+[[budget]]
+span = "backward"
+max = "60ms"
+
+[[budget]]
+span = "backward"
+max = "59.999999ms"
+
+[[budget]]
+span = "no such span"
+max = "1ms"
+""", tmp_path)
+    assert [r["rule"] for r in results] == ["backward <= 60ms", "backward <= 59.999999ms", "no such span <= 1ms"]
+    assert budgets.format_measured(results[0]) == ("60.000001ms", "60ms")
+    assert budgets.format_measured(results[1]) == ("60.000001ms", "59.999999ms")
+    console = Console(record=True, width=200)
+    render_budgets(results, 1, console)
+    out = console.export_text()
+    assert "60.000001ms" in out and "2 of 3 budgets violated, 1 of 3 without data" in out
+
+
 def crosstrace(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "crosstrace", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "200"})

@@ -90,7 +90,8 @@ def test_export_jsonl_writes_every_span_on_the_aligned_timeline(demo, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert len(rows) == sum(t["spans"] for t in report["traces"])
     assert set(rows[0]) == {"trace_id", "span_id", "parent_span_id", "name", "kind", "node_id", "rank",
-                            "start_ns", "end_ns", "error_bound_ns", "attributes"}
+                            "start_ns", "end_ns", "error_bound_ns", "attributes", "status", "status_message",
+                            "events", "links"}
     by_id = {r["span_id"]: r for r in rows}
     # Aligned: every RPC server span lies inside its client span despite offsets of hundreds of ms.
     for r in rows:
@@ -98,6 +99,44 @@ def test_export_jsonl_writes_every_span_on_the_aligned_timeline(demo, tmp_path):
             client = by_id[r["parent_span_id"]]
             slack = r["error_bound_ns"] + client["error_bound_ns"]
             assert client["start_ns"] - slack <= r["start_ns"] and r["end_ns"] <= client["end_ns"] + slack
+
+
+def test_failed_spans_show_their_status_and_exception_in_every_view(collector, tmp_path):
+    """A span that raised: its ERROR status, message and exception event (at an aligned time
+    inside the span, from a node whose clock is 3 s off) in the JSONL, the Perfetto args,
+    the JSON report's error count and the terminal."""
+    run_python("""
+        import time
+        import crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        with tracer.start_as_current_span("request"):
+            try:
+                with tracer.start_as_current_span("load"):
+                    time.sleep(0.01)
+                    raise KeyError("model-7")
+            except KeyError:
+                pass
+            time.sleep(0.01)
+        assert p.force_flush(10000)
+    """, env=tracer_env(collector, "server", sim_clock_offset_ns=3_000_000_000))
+    store = collector.store
+    result = crosstrace("export", "--store", store, "--jsonl", "-", "--perfetto", str(tmp_path / "p.json"))
+    assert result.returncode == 0, result.stderr
+    rows = {r["name"]: r for r in map(json.loads, result.stdout.splitlines())}
+    load, request = rows["load"], rows["request"]
+    assert request["status"] == "UNSET" and request["events"] == [] and request["status_message"] is None
+    assert load["status"] == "ERROR" and load["status_message"] == "KeyError: 'model-7'"
+    (event,) = load["events"]
+    assert event["name"] == "exception" and event["attributes"]["exception.type"] == "KeyError"
+    assert load["start_ns"] + 10_000_000 <= event["time_ns"] <= load["end_ns"]   # aligned, not 3 s off
+    slices = {e["name"]: e for e in json.loads((tmp_path / "p.json").read_text())["traceEvents"] if e["ph"] == "X"}
+    assert slices["load"]["args"]["status"] == "ERROR" and slices["load"]["args"]["events"] == load["events"]
+    assert "status" not in slices["request"]["args"]
+    report = crosstrace("report", "--store", store, "--json", "-")
+    assert [t["errors"] for t in json.loads(report.stdout)["traces"]] == [1]
+    terminal = crosstrace("report", "--store", store)
+    assert "1 span with status ERROR in 1 trace" in " ".join(terminal.stdout.split()), terminal.stdout
 
 
 def test_help_answers_and_errors_are_clear(tmp_path):

@@ -26,54 +26,64 @@ def mixed_table():
     s.add("fwd", Kind.COMPUTE, 106, 114, "rank0")                    # overlaps it without nesting
     s.add("recv", Kind.RECV, 100, 106.5, "rank1", **p2p(0, 1, 0))
     call = s.add("infer", Kind.RPC_CLIENT, 210, 250, "rank0", trace=3)
-    s.add("infer", Kind.RPC_SERVER, 220, 240, "rank1", call, trace=3)
+    server = s.add("infer", Kind.RPC_SERVER, 220, 240, "rank1", call, trace=3)
+    s.add("model", Kind.COMPUTE, 225, 240, "rank1", server, trace=3)   # the server's last child ends with it
     return build(spans + s.spans, nodes)
 
 
-def slices_by_track(events):
-    out = {}
-    for e in events:
-        if e["ph"] == "X":
-            out.setdefault((e["pid"], e["tid"]), []).append(e)
-    return out
-
-
-def enclosing(slices, ts):
-    """The innermost slice on a track that contains ts (what a v1 flow event binds to)."""
-    inside = [e for e in slices if e["ts"] <= ts <= e["ts"] + e["dur"]]
-    return min(inside, key=lambda e: e["dur"]) if inside else None
+def perfetto_import(events) -> tuple[dict, dict]:
+    """What Perfetto's JSON importer makes of the events: per track, the slices it keeps
+    (it drops a complete slice that begins inside the slice on top and ends after it), and
+    per flow event (id, phase), the slice it binds to: the top of its track's stack, which
+    pops ended slices only when a later slice begins. Times are read as int(us * 1000)
+    (json_utils CoerceToTs, truncating) and sorted stably."""
+    ns = {id(e): int(e["ts"] * 1000.0) for e in events if e["ph"] in "Xsf"}
+    by_track: dict = {}
+    for e in sorted((e for e in events if e["ph"] in "Xsf"), key=lambda e: ns[id(e)]):
+        by_track.setdefault((e["pid"], e["tid"]), []).append(e)
+    kept, bound = {}, {}
+    for track, items in by_track.items():
+        stack = []   # (end ns, event)
+        for e in items:
+            if e["ph"] != "X":
+                bound[(e["id"], e["ph"])] = stack[-1][1] if stack else None
+                continue
+            begin = ns[id(e)]
+            end = begin + int(e["dur"] * 1000.0)
+            while stack and (stack[-1][0] < begin or stack[-1][0] == begin and not (
+                    end == begin == ns[id(stack[-1][1])])):   # zero-length slices at one instant nest
+                stack.pop()
+            if stack and end > stack[-1][0]:
+                continue    # dropped: slice_drop_overlapping_complete_event
+            stack.append((end, e))
+            kept.setdefault(track, []).append(e)
+    return kept, bound
 
 
 def check(doc: dict, table) -> dict:
-    """Structural checks; returns {flow name: [(from span, to span)]}."""
+    """Structural checks, and every slice and flow as Perfetto imports them; returns
+    {flow name: [(from span, to span)]}."""
     events = doc["traceEvents"]
     names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert {n for _, n in names} >= {"critical path"}
     assert len(names) == len(table.nodes) + 1
     spans = [e for e in events if e["ph"] == "X" and e["cat"] != "critical_path"]
     assert len(spans) == len(table)
-    assert min(e["ts"] for e in spans) == 0
+    assert min(int(e["ts"] * 1000.0) for e in spans) == 0
     for e in events:
         if e["ph"] == "X":
             assert e["dur"] >= 0 and isinstance(e["pid"], int) and isinstance(e["tid"], int)
-    tracks = slices_by_track(events)
-    for slices in tracks.values():            # slices on one track nest (the importer needs it)
-        open_ends = []
-        for e in sorted(slices, key=lambda e: (e["ts"], -e["dur"])):
-            while open_ends and open_ends[-1] <= e["ts"]:
-                open_ends.pop()
-            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e-6, e
-            open_ends.append(e["ts"] + e["dur"])
+    kept, bound = perfetto_import(events)
+    assert sum(map(len, kept.values())) == sum(e["ph"] == "X" for e in events)   # Perfetto drops none
     flows: dict = {}
     for e in events:
         if e["ph"] in "sf":
             flows.setdefault(e["id"], {})[e["ph"]] = e
     out: dict = {}
-    for pair in flows.values():
+    for flow_id, pair in flows.items():
         assert set(pair) == {"s", "f"} and pair["f"]["bp"] == "e"
         assert pair["s"]["name"] == pair["f"]["name"] and pair["s"]["cat"] == pair["f"]["cat"]
-        a = enclosing(tracks[(pair["s"]["pid"], pair["s"]["tid"])], pair["s"]["ts"])
-        b = enclosing(tracks[(pair["f"]["pid"], pair["f"]["tid"])], pair["f"]["ts"])
+        a, b = bound[(flow_id, "s")], bound[(flow_id, "f")]
         assert a is not None and b is not None
         out.setdefault(pair["s"]["name"], []).append((a["name"], b["name"]))
     return out
@@ -87,7 +97,8 @@ def test_processes_flows_and_critical_path(tmp_path):
     doc = json.loads(path.read_text())
     flows = check(doc, table)
     assert sorted(flows["p2p"]) == [("send", "recv")]
-    assert sorted(flows["rpc request"]) == [("infer", "infer")] and len(flows["rpc response"]) == 1
+    assert flows["rpc request"] == [("infer", "infer")]
+    assert flows["rpc response"] == [("infer", "infer")]   # from the server span, not its last child
     assert sorted(flows["collective"]) == [("all_reduce", "all_reduce")] * 2    # last entry -> the two who waited
     threads = [e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
     assert sum("(overlapping 1)" in name for name in threads) == 1
@@ -120,3 +131,20 @@ def test_export_command_on_a_real_store(rpc_store, tmp_path):
     result = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", rpc_store],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "nothing to export" in result.stderr
+
+
+def test_times_survive_perfettos_truncation(tmp_path):
+    """Perfetto reads 8389376.256 us as 8389376255 ns (int(us * 1000)): written so, the
+    second of two back-to-back slices began inside the first and was dropped."""
+    s = Spans()
+    step = s.add("step", Kind.COMPUTE, 0, 8450, "rank0")
+    s.add("load", Kind.DATA, 0, 8389.376256, "rank0", step)
+    s.add("forward", Kind.COMPUTE, 8389.376256, 8419.354592, "rank0", step)
+    s.add("backward", Kind.COMPUTE, 8419.354592, 8450, "rank0", step)
+    table, alignment = build(s.spans, {"rank0": 0})
+    doc = perfetto.trace_events(Analysed(table, alignment, match(table)))
+    check(doc, table)
+    cp = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "critical_path"]
+    assert len(cp) == 3
+    assert sorted(int(e["ts"] * 1000.0) for e in cp) == [0, 8389376256, 8419354592]
+    assert sum(int(e["dur"] * 1000.0) for e in cp) == 8450 * MS

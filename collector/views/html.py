@@ -12,9 +12,9 @@ import html
 
 import numpy as np
 
-from ...proto.semconv import Kind
+from ...proto.semconv import Kind, Status
 from .. import attribution
-from .terminal import fmt_ns, largest_segments
+from .terminal import errors_line, fmt_ns, largest_segments, slowest_first
 
 NAMES = attribution.CATEGORIES + ("remote",)
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
@@ -28,7 +28,7 @@ body{font:13px system-ui,sans-serif;margin:20px;color:#222;max-width:1200px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:left}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
-.ok{color:#2a7d2a;font-weight:600}.violated,.no_data{color:#c0392b;font-weight:600}
+.ok{color:#2a7d2a;font-weight:600}.violated,.no_data,.error{color:#c0392b;font-weight:600}
 .legend span{display:inline-block;margin:2px 10px 2px 0;cursor:pointer;user-select:none}
 .legend i,table.kind i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
 .legend .off{opacity:.35}.hidden{display:none}
@@ -116,8 +116,12 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
         kind = _kind(int(t.kind[r]))
         y0 = top[int(t.node[r])] + d * ROW
         title = f"{t.names[t.name[r]]} ({kind.name.lower()}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
-        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, NAMES[c], title,
-                           ' stroke="#fff" stroke-width="0.5"'))
+        outline = ' stroke="#fff" stroke-width="0.5"'
+        if t.status[r] == Status.ERROR:
+            message = t.extras.get(r, {}).get("status_message")
+            title += f"\nERROR: {message}" if message else "\nERROR"
+            outline = ' stroke="#c00" stroke-width="2"'
+        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, NAMES[c], title, outline))
     # Split spans: the wait, transfer and network parts drawn over their spans.
     p_rows, s, e, cat = pieces
     mine = np.isin(p_rows, rows)
@@ -152,15 +156,16 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
 
 
 def _budgets(report: dict) -> str:
-    from ..budgets import format_value
+    from ..budgets import format_measured, format_value
 
     if not report.get("budgets"):
         return "<p>No budgets given (<code>--budget FILE</code>).</p>"
     rows = []
     for b in report["budgets"]:
         worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(b, w['value'])})" for w in b["worst"]) or "-"
+        measured, limit = format_measured(b)
         rows.append(f'<tr><td>{html.escape(b["name"])}</td><td>{html.escape(b["rule"])}</td>'
-                    f'<td class="num">{format_value(b, b["measured"])}</td><td class="num">{format_value(b, b["limit"])}</td>'
+                    f'<td class="num">{measured}</td><td class="num">{limit}</td>'
                     f'<td class="num">{b["samples"]}</td><td class="{b["status"]}">{b["status"].replace("_", " ")}</td>'
                     f'<td>{html.escape(worst)}</td></tr>')
     return ("<table><tr><th>budget</th><th>rule</th><th>measured</th><th>limit</th><th>samples</th>"
@@ -180,10 +185,12 @@ def _bars_table(headers: tuple[str, ...], rows: list[tuple[list[str], dict, int]
 
 
 def _trace_bars(traces: list[dict], limit: int = 40) -> str:
-    slowest = sorted(traces, key=lambda tr: -tr["duration_ns"])[:limit]
-    return _bars_table(("trace", "name", "duration", "critical path by category"), [
+    slowest = slowest_first(traces)[:limit]
+    return _bars_table(("trace", "name", "duration", "errors", "critical path by category"), [
         ([f'<td><code>{tr["trace_id"][:16]}</code></td>', f'<td>{html.escape(tr["name"])}</td>',
-          f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>'], tr, tr["duration_ns"]) for tr in slowest])
+          f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>',
+          f'<td class="num{" error" if tr["errors"] else ""}">{tr["errors"]}</td>'], tr, tr["duration_ns"])
+        for tr in slowest])
 
 
 def _rank_bars(trace: dict) -> str:
@@ -230,11 +237,13 @@ def _trace_section(title: str, trace: dict, analysed, at, kinds, pieces) -> str:
 
 def render(report: dict, analysed, attributed) -> str:
     traces = report["traces"]
+    errors = errors_line(traces)
     body = [f"<h1>crosstrace report</h1><p>{html.escape(str(report['store']))}: {len(traces)} traces, "
-            f"{sum(tr['spans'] for tr in traces):,} spans</p>", _legend(), "<h2>budgets</h2>", _budgets(report)]
+            f"{sum(tr['spans'] for tr in traces):,} spans" + (f', <span class="error">{errors}</span>' if errors else "")
+            + "</p>", _legend(), "<h2>budgets</h2>", _budgets(report)]
     if traces:
-        by_duration = sorted(traces, key=lambda tr: tr["duration_ns"])
-        slowest, typical = by_duration[-1], by_duration[(len(by_duration) - 1) // 2]
+        ordered = slowest_first(traces)
+        slowest, typical = ordered[0], ordered[len(ordered) // 2]
         dag, n = attributed.dag, len(analysed.table)     # the spans split at partners and joins, once
         kinds = attribution.self_kinds(analysed.table, dag)
         pieces = attribution.pieces(analysed.table, dag, kinds, dag.time[0:2 * n:2], dag.time[1:2 * n:2],

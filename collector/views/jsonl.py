@@ -1,7 +1,9 @@
-"""Every span as one JSON object per line, on the aligned timeline (for pandas & co)."""
+"""Every span as one JSON object per line, on the aligned timeline (for pandas & co).
+Beyond its times and attributes a span has its status (UNSET, OK, ERROR) and message,
+its events (exceptions among them, at aligned times) and its links."""
 from ...proto.semconv import Kind
 from ..columns import dumps
-from . import open_output
+from . import open_output, outcome
 
 
 def write(path: str, analysed) -> int:
@@ -22,5 +24,6 @@ def write(path: str, analysed) -> int:
                 "end_ns": int(al.end[i]),
                 "error_bound_ns": int(al.error[i]),
                 "attributes": t.attributes[i] or {},
+                **outcome(t, al, i),
             }) + b"\n")
     return len(t)

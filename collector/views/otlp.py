@@ -21,6 +21,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from ...proto import semconv as sc
 from ...proto.semconv import Kind
 from ..align import UNBOUNDED_NS
+from . import entries
 
 _OTEL_KIND = {kind: trace_pb2.Span.SpanKind.Value(f"SPAN_KIND_{name}") for name, kind in sc.OTEL_KINDS.items()}
 _KIND_NAMES = {k.value: name for name, k in sc.KIND_BY_NAME.items()}
@@ -87,9 +88,10 @@ def _epoch_times(analysed, node: int, rows: np.ndarray) -> tuple[np.ndarray, np.
 def _event_mapper(analysed, node: int):
     """Local event time -> Unix-epoch ns, for the node's clock."""
     t, al = analysed.table, analysed.alignment
-    model = al.models.get(t.nodes[node])
+    node_id = t.nodes[node]
+    model = al.models.get(node_id)
     if model is not None and model.known:
-        return lambda local: int(model.to_reference(np.array([local], np.int64))[0]) + al.epoch_offset_ns
+        return lambda local: int(al.to_reference(node_id, [local])[0]) + al.epoch_offset_ns
     return lambda local: int(local)
 
 
@@ -135,33 +137,13 @@ def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span"
             span.status.message = text(extra["status_message"])
     if extra.get("trace_state"):
         span.trace_state = text(extra["trace_state"])
-    for name, when, event_attrs in _entries(extra, "events", 3):
+    for name, when, event_attrs in entries(extra, "events", 3):
         span.events.add(name=text(name), time_unix_nano=max(event_time(when), 0),
                         attributes=key_values(event_attrs))
-    for trace_hex, span_hex, link_attrs, *trace_state in _entries(extra, "links", 3):
+    for trace_hex, span_hex, link_attrs, *trace_state in entries(extra, "links", 3):
         span.links.add(trace_id=bytes.fromhex(trace_hex), span_id=bytes.fromhex(span_hex),
                        attributes=key_values(link_attrs), trace_state=text(trace_state[0]) if trace_state else "")
     return span
-
-
-def _entries(extra: dict, key: str, width: int) -> list:
-    """The events or links of a span's extras that have their shape; the collector stores a
-    client's extras as sent, and one malformed entry must not stop an export."""
-    entries = extra.get(key)
-    if not isinstance(entries, list):
-        return []
-    return [e for e in entries if isinstance(e, list) and len(e) >= width and _well_formed(key, e)]
-
-
-def _well_formed(key: str, entry: list) -> bool:
-    if not (entry[2] is None or isinstance(entry[2], dict)):
-        return False
-    if key == "events":
-        return type(entry[1]) is int and abs(entry[1]) < 1 << 62
-    try:
-        return len(bytes.fromhex(entry[0])) == 16 and len(bytes.fromhex(entry[1])) == 8
-    except (TypeError, ValueError):
-        return False
 
 
 def channel(endpoint: str, ca: str | None = None) -> grpc.Channel:

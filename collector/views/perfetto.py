@@ -7,7 +7,9 @@ and each collective's last entry to every participant's end. The critical path o
 trace is its own track in a "critical path" process, one slice per segment named by its
 category, and every span on it carries `critical_path_ns` in its args.
 Times are microseconds from the earliest span (the reference time of that instant is in
-otherData.crosstrace.t0_ns).
+otherData.crosstrace.t0_ns), each 0.1 ns past its instant: Perfetto reads a time as
+int(us * 1000), and 8389376.256 us times 1000 is 8389376255.99..., one ns early, which made
+back-to-back critical-path segments overlap and Perfetto drop one of the two.
 """
 import numpy as np
 
@@ -15,12 +17,12 @@ from ...proto.semconv import Kind
 from .. import attribution
 from ..columns import dumps
 from ..dag import Edge, dense
-from . import open_output
+from . import open_output, outcome
 
 _KINDS = {k.value: k.name.lower() for k in Kind}
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
           Edge.COMPLETE: "collective"}
-_EPS_US = 0.001   # flow ends sit 1 ns inside their slices, so that each binds to its own span
+_TRUNCATED = 0.0001   # us added to every time and duration (see above)
 
 
 def _tracks(t, start, end) -> tuple[np.ndarray, list]:
@@ -51,6 +53,20 @@ def _tracks(t, start, end) -> tuple[np.ndarray, list]:
     return tid, [(first[key], key[1]) for key in keys]
 
 
+def _binding_times(tid: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Per span, when a flow event binds to it. Perfetto binds a flow event to the slice on
+    top of its track's stack, and pops ended slices only when a later slice begins: at a
+    span's end its last child is still on top. A span is on top from its start until the
+    next slice begins on its track (its first child, or the next span): 1 ns in, or at its
+    start where another slice begins within that ns (a child that begins with its parent
+    cannot be told from it by time, and takes its flows)."""
+    order = np.lexsort((start, tid))
+    following = np.full(len(start), np.iinfo(np.int64).max, dtype=np.int64)
+    same_track = tid[order][1:] == tid[order][:-1]
+    following[order[:-1][same_track]] = start[order][1:][same_track]
+    return start + (following - start > 1)
+
+
 def trace_events(analysed, attributed: "attribution.Attribution | None" = None) -> dict:
     t, al = analysed.table, analysed.alignment
     at = attributed or attribution.attribute(t, al, analysed.matches)
@@ -59,8 +75,8 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
     start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
     t0 = int(start.min()) if n else 0
 
-    def us(ns):
-        return np.round((np.asarray(ns, dtype=np.int64) - t0) / 1000.0, 3)
+    def us(ns, since=t0):
+        return (np.round((np.asarray(ns, dtype=np.int64) - since) / 1000.0, 3) + _TRUNCATED).tolist()
 
     tid, track_rows = _tracks(t, start, end)
     n_lanes = len(track_rows)
@@ -79,7 +95,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
     on_path = np.zeros(n, dtype=np.int64)
     covered = at.segment_row >= 0
     np.add.at(on_path, at.segment_row[covered], (paths.end - paths.start)[covered])
-    ts, dur = us(start).tolist(), np.round((end - start) / 1000.0, 3).tolist()
+    ts, dur = us(start), us(end, start)
     for i in range(n):
         attrs = t.attributes[i]
         args = {"trace_id": t.trace_ids[t.trace[i]], "span_id": f"{int(t.span_id[i]):016x}",
@@ -90,20 +106,21 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
             args["critical_path_ns"] = int(on_path[i])
         if attrs:
             args["attributes"] = attrs
+        if t.status[i] or i in t.extras:
+            args.update({k: v for k, v in outcome(t, al, i).items() if v})
         events.append({"ph": "X", "name": t.names[t.name[i]], "cat": args["kind"], "ts": ts[i], "dur": dur[i],
                        "pid": int(pid[i]), "tid": int(tid[i]), "args": args})
 
     # Flow arrows along the DAG's cross-span edges.
     row_src, row_dst = dag.row_of(dag.src), dag.row_of(dag.dst)
+    bind = us(_binding_times(tid, start))
     for flow_id, e in enumerate(np.flatnonzero(np.isin(dag.edge, list(_FLOWS))).tolist(), 1):
         a, b, name = int(row_src[e]), int(row_dst[e]), _FLOWS[Edge(int(dag.edge[e]))]
         if a == b:
             continue
-        at_a = min(max(float(us(dag.time[dag.src[e]])), ts[a]) + min(_EPS_US, dur[a] / 2), ts[a] + dur[a])
-        at_b = min(max(float(us(dag.time[dag.dst[e]])) - min(_EPS_US, dur[b] / 2), ts[b]), ts[b] + dur[b])
-        events.append({"ph": "s", "id": flow_id, "name": name, "cat": "flow", "ts": at_a,
+        events.append({"ph": "s", "id": flow_id, "name": name, "cat": "flow", "ts": bind[a],
                        "pid": int(pid[a]), "tid": int(tid[a])})
-        events.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "flow", "ts": at_b,
+        events.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "flow", "ts": bind[b],
                        "pid": int(pid[b]), "tid": int(tid[b])})
 
     # The critical path: one track per trace.
@@ -115,7 +132,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
         cp_tid = n_lanes + 1 + tr
         events.append({"ph": "M", "name": "thread_name", "pid": cp_pid, "tid": cp_tid,
                        "args": {"name": f"critical path {t.trace_ids[tr]}"}})
-    seg_ts, seg_dur = us(paths.start).tolist(), np.round((paths.end - paths.start) / 1000.0, 3).tolist()
+    seg_ts, seg_dur = us(paths.start), us(paths.end, paths.start)
     for k in np.flatnonzero(paths.end > paths.start).tolist():
         r, node = int(at.segment_row[k]), int(dag.node[paths.dst[k]])
         category = names[at.segment_category[k]]

@@ -20,22 +20,41 @@ def fmt_ns(ns) -> str:
     return f"{ns:.0f} ns"
 
 
+def slowest_first(traces: list[dict]) -> list[dict]:
+    """Traces by duration, the slowest first, the earlier first among equals: one order for
+    every view, so that they name the same slowest trace."""
+    return sorted(traces, key=lambda t: (-t["duration_ns"], t["start_ns"]))
+
+
+def errors_line(traces: list[dict]) -> str:
+    errors = sum(t.get("errors", 0) for t in traces)
+    if not errors:
+        return ""
+    failed = sum(1 for t in traces if t.get("errors"))
+    return f"{errors:,} span{'s' if errors > 1 else ''} with status ERROR in {failed:,} trace{'s' if failed > 1 else ''}"
+
+
 def render(report: dict, console: Console | None = None, limit: int = 10) -> None:
     console = console or Console()
     traces = report["traces"]
+    errors = errors_line(traces)
     console.print(f"[bold]crosstrace report[/]  {escape(report['store'])}: {len(traces)} traces, "
-                  f"{sum(t['spans'] for t in traces):,} spans")
+                  f"{sum(t['spans'] for t in traces):,} spans" + (f", [red]{errors}[/]" if errors else ""))
     if traces:
+        ordered = slowest_first(traces)
         table = Table(title=f"slowest traces (of {len(traces)})", title_justify="left")
-        for col in ("trace", "name", "duration", "spans", "nodes", "top attribution"):
-            table.add_column(col, justify="right" if col in ("duration", "spans", "nodes") else "left")
-        for t in sorted(traces, key=lambda t: -t["duration_ns"])[:limit]:
-            attribution = sorted(t["attribution"].items(), key=lambda kv: -kv[1])[:3]
+        columns = ("trace", "name", "duration", "spans", "nodes") + (("errors",) if errors else ()) + ("top attribution",)
+        for col in columns:
+            table.add_column(col, justify="right" if col in ("duration", "spans", "nodes", "errors") else "left")
+        for t in ordered[:limit]:
+            attribution = sorted(((k, v) for k, v in t["attribution"].items() if v > 0), key=lambda kv: -kv[1])[:3]
             top = ", ".join(f"{k} {fmt_ns(v)}" for k, v in attribution) or "-"
-            table.add_row(t["trace_id"][:16], escape(t["name"]), fmt_ns(t["duration_ns"]), str(t["spans"]),
-                          str(t["nodes"]), top)
+            cells = [t["trace_id"][:16], escape(t["name"]), fmt_ns(t["duration_ns"]), str(t["spans"]), str(t["nodes"])]
+            if errors:
+                cells.append(f"[red]{t['errors']}[/]" if t["errors"] else "0")
+            table.add_row(*cells, top)
         console.print(table)
-        render_slowest(max(traces, key=lambda t: t["duration_ns"]), console)
+        render_slowest(ordered[0], console)
         render_kinds(report.get("summary", {}), traces, console, limit)
     if report.get("budgets"):
         render_budgets(report["budgets"], len(traces), console)
@@ -169,7 +188,7 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
         table.add_column(header, justify="right", overflow="fold")
     if other:
         table.add_column("other", justify="right")
-    mine = sorted((t for t in traces if t["name"] == name), key=lambda t: -t["duration_ns"])[:limit]
+    mine = slowest_first([t for t in traces if t["name"] == name])[:limit]
     for t in mine:
         values = t.get("segments", {})
         cells = [fmt_ns(values.get(seg["segment"], 0)) for seg in shown]
@@ -180,7 +199,7 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
 
 
 def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
-    from ..budgets import format_value
+    from ..budgets import format_measured, format_value, verdict
 
     console = console or Console()
     table = Table(title=f"budgets ({n_traces} traces)", title_justify="left")
@@ -190,8 +209,6 @@ def render_budgets(results: list[dict], n_traces: int, console: Console | None =
     for r in results:
         worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(r, w['value'])})" for w in r["worst"]) or "-"
         label = r["rule"] if r["name"] == r["rule"] else f"{r['name']}: {r['rule']}"
-        table.add_row(escape(label), format_value(r, r["measured"]), format_value(r, r["limit"]), str(r["samples"]),
-                      styles[r["status"]], worst)
+        table.add_row(escape(label), *format_measured(r), str(r["samples"]), styles[r["status"]], worst)
     console.print(table)
-    bad = sum(not r["ok"] for r in results)
-    console.print(f"{bad} of {len(results)} budgets violated" if bad else f"all {len(results)} budgets hold")
+    console.print(verdict(results))
