@@ -78,9 +78,12 @@ def from_offsets(local_ns, ref_minus_local_ns, error_ns) -> Bounds:
     return Bounds(t, offset - error, t.copy(), offset + error)
 
 
-def valid(bounds: Bounds) -> np.ndarray:
-    """Samples that can be true: a negative round trip means broken timestamps."""
-    return bounds.hi >= bounds.lo
+def valid(bounds: Bounds, max_drift_ppm: float = 0.0) -> np.ndarray:
+    """Samples that can be true. The lower bound holds at lo_t and the upper at hi_t, and
+    the offset may drift by up to max_drift_ppm in between: an honest 10 s call on a clock
+    20 ppm slow has hi 200 us below lo over a 100 us path. Beyond that the timestamps are
+    broken."""
+    return bounds.hi - bounds.lo >= -max_drift_ppm * 1e-6 * np.abs(bounds.hi_t - bounds.lo_t)
 
 
 def bursts(t: np.ndarray, gap_ns: int) -> np.ndarray:

@@ -28,10 +28,10 @@ OUTLIER_LOOKAHEAD = 3           # a sample is an outlier if this many later ones
 def fit(bounds: Bounds, source: str = "", max_drift_ppm: float = MAX_DRIFT_PPM,
         window_ns: int = WINDOW_NS) -> ClockModel:
     n_all = len(bounds)
-    bounds = bounds.take(valid(bounds)).sorted()
+    bounds = bounds.take(valid(bounds, max_drift_ppm)).sorted()
     n = len(bounds)
     if not n:
-        return unknown(n_all)
+        return unknown(n_all, (f"invalid_samples:{n_all}",) if n_all else ("no_samples",))
     fitter = _Fitter(bounds, max_drift_ppm * 1000)
     t = bounds.t
     pieces: list[tuple[int, int, bool]] = []    # (first, end, is_bridge) index ranges
@@ -39,9 +39,12 @@ def fit(bounds: Bounds, source: str = "", max_drift_ppm: float = MAX_DRIFT_PPM,
     start, poly, k = 0, fitter.polygon(0, 1), 1
     while k < n:
         if t[k] - t[start] > window_ns:
+            # A new line from the last half window on; sample k is then added as any other,
+            # so that one that contradicts them is still found to be a step or an outlier.
             pieces.append((start, k, False))
-            start = int(np.searchsorted(t, t[k] - window_ns // 2))
-            poly, k = fitter.polygon(start, k + 1), k + 1
+            start = min(int(np.searchsorted(t, t[k] - window_ns // 2)), k)
+            poly = fitter.polygon(start, k) if start < k else fitter.polygon(k, k + 1)
+            k += start == k
             continue
         nxt = fitter.add(poly, k)
         if len(nxt):

@@ -100,15 +100,23 @@ def _hull_indices(u: np.ndarray, v: np.ndarray, lower_hull: bool) -> list[int]:
 
 
 def hull(points: np.ndarray) -> np.ndarray:
-    """Convex hull of (a, b) points, counter-clockwise: the smallest polygon with the same
-    extent at every time as the union of those lines."""
-    if len(points) <= 2:
-        return points
-    lower = _hull_indices(points[:, 1], points[:, 0], lower_hull=True)
-    upper = _hull_indices(points[:, 1], points[:, 0], lower_hull=False)
-    # In (b, a) coordinates the lower chain runs left to right, the upper back right to left.
-    ring = lower + upper[::-1][1:-1]
-    return points[ring[::-1]] if len(ring) >= 3 else points[lower]
+    """Convex hull of (a, b) points, counter-clockwise (Andrew's monotone chain): the
+    smallest polygon with the same extent at every time as the union of those lines."""
+    pts = np.unique(points, axis=0)    # sorted by a, then b
+    if len(pts) <= 2:
+        return pts
+
+    def chain(seq) -> list:
+        out: list = []
+        for p in seq:
+            while len(out) >= 2 and ((out[-1][0] - out[-2][0]) * (p[1] - out[-2][1])
+                                     - (out[-1][1] - out[-2][1]) * (p[0] - out[-2][0])) <= 0:
+                out.pop()
+            out.append(p)
+        return out
+
+    ring = chain(pts)[:-1] + chain(pts[::-1])[:-1]
+    return np.array(ring)
 
 
 def extent(poly: np.ndarray, u) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ import subprocess
 import time
 
 from .exchange import OffsetSample
+from .fit import MAX_DRIFT_PPM
 
 DEFAULT_UDS = "/var/run/ptp4l"
 _FIELD = re.compile(r"^\s+(\w+)\s+(\S+)\s*$")
@@ -59,9 +60,12 @@ def sample_from_fields(fields: dict[str, str], now, realtime_ns=time.time_ns) ->
     local = now()
     after = realtime_ns()
     local_minus_realtime = local - (before + after) // 2
+    # The offset was measured at the Sync's ingress, the node's clock against realtime now:
+    # the two clocks may have drifted apart in between.
+    drift = MAX_DRIFT_PPM * (after - ingress) // 1_000_000
     return OffsetSample(local_ns=local - (after - ingress),
                         ref_minus_local_ns=-(local_minus_realtime + master_offset),
-                        error_ns=int(path_delay) + (after - before) + 1,
+                        error_ns=int(path_delay) + (after - before) + int(drift) + 1,
                         server=f"ptp:{fields.get('gmIdentity', '?')}")
 
 

@@ -138,6 +138,21 @@ def test_negative_round_trips_are_dropped_and_counted():
     assert "invalid_samples:3" in m.flags and m.samples == len(b)
 
 
+def test_long_calls_on_a_drifting_clock_are_kept():
+    """Two 10 s RPCs over a 100 us path on a clock 20 ppm slow: the upper bound (at t4)
+    lies 100 us below the lower one (at t1), which drift explains; they were dropped as
+    broken and the node had no model."""
+    truth = Truth(3e6, -20.0)
+    r1 = np.array([0.0, 30e9])
+    r2 = r1 + 50e3
+    r4 = r2 + 10e9 + 50e3
+    b = exchange.from_exchanges(truth.local(r1), np.rint(r2), np.rint(r2 + 10e9), truth.local(r4))
+    assert np.all(b.hi < b.lo)
+    m = fit(b, "rpc:peer")
+    assert m.known and coverage(m, truth, np.linspace(0, 40e9, 50)) == 1.0
+    assert fit(exchange.from_exchanges([0], [5000], [6000], [100]), "udp").flags == ("invalid_samples:1",)
+
+
 def test_min_delay_per_burst_keeps_the_quickest_exchange():
     b, _ = exchanges(Truth(0.0, 0.0), seconds=50, every_s=5.0, burst=8)
     best = exchange.min_delay_per_burst(b, gap_ns=500_000_000)
@@ -160,6 +175,21 @@ def test_polygon_extent_matches_brute_force():
     lo, hi = geometry.extent(clipped, np.array([0.0, 50.0]))
     vals = grid_a.ravel()[ok][:, None] + grid_b.ravel()[ok][:, None] * np.array([0.0, 50.0])
     assert np.all(vals.min(axis=0) >= lo - 1) and np.all(vals.max(axis=0) <= hi + 1)
+
+
+def test_hull_keeps_every_corner():
+    """The union a bridge segment's bound covers: a box (two vertices at each extreme drift)
+    lost a corner, and the extent shrank by 200 ns at u = -1 s."""
+    rng = np.random.default_rng(5)
+    box = geometry.box(-100.0, 100.0, 1e6)
+    for points in (box, np.concatenate([box, rng.uniform(-50, 50, (20, 2))]),
+                   np.concatenate([geometry.box(0, 10, 5), geometry.box(-3, 3, 9)])):
+        ring = geometry.hull(points)
+        u = np.linspace(-5, 5, 41)
+        lo, hi = geometry.extent(ring, u)
+        true_lo, true_hi = geometry.extent(points, u)
+        assert np.allclose(lo, true_lo) and np.allclose(hi, true_hi)
+    assert len(geometry.hull(box)) == 4
 
 
 def test_agreeing_sources_intersect_and_a_false_one_is_flagged():
@@ -274,6 +304,17 @@ def test_parse_ntp_server():
     assert parse_server("::1") == ("::1", 123)
 
 
+def test_ntp_timestamps_are_read_to_the_ns():
+    """ntplib's float seconds lost up to 365 ns of each timestamp; the bytes keep it all."""
+    import struct
+
+    from crosstrace.clock_sync.ntp import _NTP_TO_UNIX_S, _unix_ns
+    for ns in (123_456_789, 999_999_999, 1, 500_000_000):
+        fraction = -(-ns * 2**32 // 10**9)    # the nearest fraction at or after ns
+        packet = bytes(32) + struct.pack("!II", _NTP_TO_UNIX_S + 1_760_000_000, fraction)
+        assert _unix_ns(packet, 32) == 1_760_000_000 * 10**9 + ns
+
+
 def test_pmc_fields_become_a_bounded_sample():
     from crosstrace.clock_sync.ptp import PtpError, sample_from_fields
     fields = {"master_offset": "250", "ingress_time": "1000000000000", "meanPathDelay": "3000.0",
@@ -282,7 +323,14 @@ def test_pmc_fields_become_a_bounded_sample():
     s = sample_from_fields(fields, now=lambda: 7_000_000, realtime_ns=lambda: next(wall))
     # local - realtime = 7e6 - 1_000_000_500_050; the port is 250 ns ahead of the master.
     assert s.ref_minus_local_ns == -((7_000_000 - 1_000_000_500_050) + 250)
-    assert s.local_ns == 7_000_000 - 500_100 and 3000 <= s.error_ns < 3200
+    assert s.local_ns == 7_000_000 - 500_100 and s.error_ns == 3000 + 100 + 500 + 1   # delay, read, drift
+    # A Sync 1 s old, on a clock 100 ppm fast against realtime: the bound covers the drift
+    # since (it was 601 ns, the truth 99,991 ns away).
+    ingress, local_now = 1_000_000_000_000, 5_000_000_000
+    wall = iter([ingress + 10**9, ingress + 10**9 + 100])
+    s = sample_from_fields({**fields, "master_offset": "0"}, now=lambda: local_now, realtime_ns=lambda: next(wall))
+    local_at_ingress = local_now - round((10**9 + 50) * (1 + 100e-6))
+    assert abs(s.ref_minus_local_ns - (ingress - local_at_ingress)) <= s.error_ns
     with pytest.raises(PtpError):
         sample_from_fields({**fields, "gmPresent": "false"}, now=lambda: 0)
 
@@ -303,3 +351,20 @@ def test_thinning_many_bounds_stays_sound():
     lo_e, hi_e = geometry.extent(exact, grid)
     assert np.all(lo_t <= lo_e + 1e-6) and np.all(hi_t >= hi_e - 1e-6)
     assert np.all(hi_t - hi_e <= 0.05 * (hi_e - lo_e) + 1e3)    # and not much looser
+
+
+def test_a_step_in_the_sample_that_opens_a_new_window():
+    """Samples every 10 s for 300 s, then one 2 ms off just past the fit window: the new
+    window's line was fitted through it, found no line, and every report of the store
+    failed (IndexError). It is the last sample: a step, the rest keeps its line."""
+    r = np.append(np.arange(0, 301e9, 10e9), 302e9)
+    truth = np.full(len(r), 5e6)
+    truth[-1] += 2e6
+    t1, t4 = np.rint(r + truth).astype(np.int64), np.rint(r + 100e3 + truth).astype(np.int64)
+    t2 = np.rint(r + 50e3).astype(np.int64)
+    m = fit(exchange.from_exchanges(t1, t2, t2 + 5000, t4), "udp")
+    assert m.known and len(m.segments) >= 2
+    lo, hi = m.bounds_at(t1[:-1])
+    assert np.all(lo <= truth[:-1] + 1) and np.all(truth[:-1] - 1 <= hi)
+    lo, hi = m.bounds_at(t1[-1:])
+    assert lo[0] <= truth[-1] + 1 and truth[-1] - 1 <= hi[0]
