@@ -17,7 +17,6 @@ import numpy as np
 from ..clock_sync import causal, exchange
 from ..clock_sync.combine import combine, compose
 from ..clock_sync.exchange import Bounds
-from ..clock_sync.fit import fit
 from ..clock_sync.model import ClockModel, line, unknown
 from ..proto import pb
 from ..proto import semconv as sc
@@ -102,15 +101,17 @@ def fit_models(store) -> dict[str, ClockModel]:
 
 def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
                 on_utc: set[str] = frozenset()) -> dict[str, ClockModel]:
-    """Direct sources first; then NTP/PTP through the UTC link; then piggyback through peers
+    """Direct sources first; then NTP/PTP through the UTC links; then piggyback through peers
     (named by their rows, Store.clock_samples). A node whose spans are stamped in UTC
     (`on_utc`: OTLP senders, whose times are their wall clock's) and that nothing else
     measures is on the UTC link itself, as good as its NTP."""
     direct = {node: combine(s.direct) for node, s in sources.items()}
-    utc_link = _utc_link(sources, direct, epoch_offset_ns)
-    models = {}
-    for node, s in sources.items():
-        models[node] = combine({**s.direct, **{n: compose(b, utc_link) for n, b in s.to_utc.items()}})
+    links, utc_link = _utc_links(sources, direct, epoch_offset_ns)
+
+    def via_utc(s: NodeSources) -> dict[str, Bounds]:
+        return {n: compose(b, links.get(n, utc_link)) for n, b in s.to_utc.items()}
+
+    models = {node: combine({**s.direct, **via_utc(s)}) for node, s in sources.items()}
     # Piggyback samples go through the peer's model; a chain edge -> gateway -> cloud needs
     # one round per hop.
     used: dict[str, set] = {node: set() for node in sources}
@@ -122,8 +123,7 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
                 continue
             used[node] = peers
             via = {f"rpc:{peer}": compose(s.to_peer[peer], models[peer]) for peer in sorted(peers)}
-            models[node] = combine({**s.direct, **{n: compose(b, utc_link) for n, b in s.to_utc.items()},
-                                    **via})
+            models[node] = combine({**s.direct, **via_utc(s), **via})
             changed = True
         if not changed:
             break
@@ -138,25 +138,37 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
         model = dataclasses.replace(model, samples=s.samples)
         if s.to_utc and "utc_link_assumed" in utc_link.flags:
             model = model.with_flags("utc_link_assumed")
+        rejected = sorted(n for n in s.to_utc if f"falseticker:{n}" in utc_link.flags)
+        if rejected:   # its server disagrees with the others on UTC: so may this node's UTC
+            model = model.with_flags(*(f"utc_server_disagrees:{n}" for n in rejected))
         out[node] = model
     return out
 
 
-def _utc_link(sources, direct: dict[str, ClockModel], epoch_offset_ns: int) -> ClockModel:
-    """Model of (UTC - collector clock) in UTC time, from every node that has both a direct
-    model and NTP/PTP samples; else the collector's own wall clock, with an assumed bound."""
-    parts = []
+def _utc_links(sources, direct: dict[str, ClockModel], epoch_offset_ns: int) -> tuple[dict, ClockModel]:
+    """Models of (UTC - collector clock) in UTC time: one per NTP server or PTP grandmaster,
+    from every node that has both a direct model and samples of that server; and one of
+    them all, whose selection sets aside servers that disagree with the majority (flagged
+    falseticker), for nodes whose servers no measured node uses. Each server has its own
+    link: one server 50 ms off made a joint link zigzag between two values, and moved every
+    node that has NTP alone. Without any, the collector's own wall clock, with an assumed
+    bound."""
+    parts: dict[str, dict[str, Bounds]] = {}
     for node, s in sources.items():
         if not s.to_utc or not direct[node].known:
             continue
-        for bounds in s.to_utc.values():
+        for server, bounds in s.to_utc.items():
             lo, hi = direct[node].bounds_at(bounds.t)
             utc_t = bounds.t - np.rint(bounds.mid).astype(np.int64)
-            parts.append(Bounds(utc_t, lo - bounds.hi, utc_t.copy(), hi - bounds.lo))
-    measured = fit(exchange.concat(parts), "utc_link") if parts else unknown()
-    if measured.known:
-        return measured
-    return line(epoch_offset_ns, 0.0, 0, ASSUMED_COLLECTOR_UTC_ERROR_NS, flags=("utc_link_assumed",))
+            parts.setdefault(server, {})[node] = Bounds(utc_t, lo - bounds.hi, utc_t.copy(), hi - bounds.lo)
+    links = {server: combine(by_node) for server, by_node in parts.items()}
+    links = {server: link for server, link in links.items() if link.known}
+    joint = combine({server: exchange.concat(list(parts[server].values())) for server in links}) if links else unknown()
+    if not joint.known and links:   # no majority among the servers: the most sampled one, flagged
+        joint = max(links.values(), key=lambda link: link.samples).with_flags("utc_servers_disagree")
+    if joint.known:
+        return links, joint
+    return links, line(epoch_offset_ns, 0.0, 0, ASSUMED_COLLECTOR_UTC_ERROR_NS, flags=("utc_link_assumed",))
 
 
 # -- causality facts from the trace --------------------------------------------------------------

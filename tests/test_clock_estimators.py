@@ -368,3 +368,38 @@ def test_a_step_in_the_sample_that_opens_a_new_window():
     assert np.all(lo <= truth[:-1] + 1) and np.all(truth[:-1] - 1 <= hi)
     lo, hi = m.bounds_at(t1[-1:])
     assert lo[0] <= truth[-1] + 1 and truth[-1] - 1 <= hi[0]
+
+
+def test_one_wrong_ntp_server_moves_no_node_that_uses_another():
+    """Nodes a and e have direct probes and NTP servers that agree; b has probes and a server
+    50 ms off; c and d have NTP alone (c through a's server, d through one no probed node
+    uses). One joint UTC link through all servers zigzagged between two values and put c
+    44 ms off, its bound around the truth 8 % of the time."""
+    from crosstrace.collector.align import NodeSources, fit_sources
+
+    epoch = 1_700_000_000 * 10**9          # UTC - collector clock
+    truth = {"a": 3e6, "b": -2e6, "c": 7e6, "d": -5e6, "e": 1e6}
+    r = np.arange(0, 120e9, 2e9)
+
+    def probes(off):
+        t1 = np.rint(r + off).astype(np.int64)
+        t2 = np.rint(r + 40e3).astype(np.int64)
+        return {"udp": exchange.from_exchanges(t1, t2, t2 + 5000, t1 + 90_000)}
+
+    def ntp(node, server, server_error=0.0, shift_s=0.3):
+        local = np.rint(r + shift_s * 1e9 + truth[node]).astype(np.int64)
+        return {server: exchange.from_offsets(local, np.full(len(r), epoch - truth[node] + server_error),
+                                              np.full(len(r), 1e6))}
+
+    sources = {"a": NodeSources(probes(truth["a"]), ntp("a", "ntp:good"), {}),
+               "b": NodeSources(probes(truth["b"]), ntp("b", "ntp:bad", 50e6, 0.7), {}),
+               "e": NodeSources(probes(truth["e"]), ntp("e", "ntp:good2", 0.0, 0.5), {}),
+               "c": NodeSources({}, ntp("c", "ntp:good", 0.0, 1.1), {}),
+               "d": NodeSources({}, ntp("d", "ntp:unprobed", 0.0, 1.3), {})}
+    models = fit_sources(sources, epoch)
+    for node, model in models.items():
+        local = np.rint(r + truth[node]).astype(np.int64)
+        lo, hi = model.bounds_at(local)
+        assert np.all(lo <= truth[node] + 1) and np.all(truth[node] - 1 <= hi), node
+    assert "utc_server_disagrees:ntp:bad" in models["b"].flags
+    assert not any(f.startswith("utc") for node in "acde" for f in models[node].flags)
