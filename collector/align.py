@@ -197,8 +197,8 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
         latest[rows] = causal.reference_window(models, node, table.start[rows])[1]
         earliest[rows] = causal.reference_window(models, node, table.end[rows])[0]
     for members, op in zip(matches.collective_members(), matches.coll_op):
-        if collective_pattern(op) != N_X_N or len(members) < 2 or any(table.attributes[r] and table.attributes[r].get(sc.COLL_ASYNC)
-                                                        for r in members.tolist()):
+        if collective_pattern(op) != N_X_N or len(members) < 2 or not all(
+                _ends_with_the_collective(table.attributes[r]) for r in members.tolist()):
             continue
         starts, ends = (members, members) if one_per_node else _binding_members(table, members)
         if models is not None:   # the members whose start or end some pair may bind
@@ -220,6 +220,13 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
     b_end = np.concatenate([np.full(len(p[2]), p[3]) for p in parts])
     other_node = table.node[row_a] != table.node[row_b]    # one clock cannot contradict itself
     return row_a[other_node], a_end[other_node], row_b[other_node], b_end[other_node]
+
+
+def _ends_with_the_collective(attributes: dict | None) -> bool:
+    """Whether a collective span ends when the collective has completed, as the facts need:
+    not an async one (it ends when it was waited for), nor one on a device, which a
+    synchronous call only queues (NCCL): a rank 50 ms late there moved a right clock 50 ms."""
+    return not attributes or not attributes.get(sc.COLL_ASYNC) and attributes.get(sc.COLL_DEVICE, "cpu") == "cpu"
 
 
 def _binding_members(table: SpanTable, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -46,6 +46,9 @@ COLL_BYTES = "collective.bytes"
 COLL_RANKS = "collective.ranks"
 COLL_ASYNC = "collective.async"
 COLL_ROOT = "collective.root"      # global rank of the root of a broadcast or reduce
+# The device type of its tensors (cpu, cuda, ...): on a device a synchronous call returns
+# once the op is queued (NCCL), so its end says nothing of when the others entered.
+COLL_DEVICE = "collective.device"
 
 # Point-to-point: a send and its receive share (group, src, dst, tag, seq).
 P2P_GROUP = "p2p.group"

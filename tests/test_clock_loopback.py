@@ -163,6 +163,39 @@ def test_rpc_spans_are_causally_consistent_after_alignment(collector):
         assert al.error[s] < 1_000_000                  # bounded, not "unknown"
 
 
+def test_a_collective_queued_on_a_device_is_no_clock_fact(collector):
+    """Two ranks with exact clocks (bounds +-50 us); rank 1 enters a synchronous all_reduce
+    50 ms after rank 0, whose call returns at once. On CPU that cannot be: the end is a fact,
+    and the refinement must move a clock. On a GPU (NCCL) the call only queued the op: no
+    fact, no clock moved (a right clock was moved 49.9 ms)."""
+    from .test_collector_input import batch, export
+
+    def rank_batch(rank, device, seq):
+        start = 1_000_000_000 + 50_000_000 * rank
+        b = batch(1, seq=seq, node=f"r{rank}", trace_hi=7 + seq, first_id=rank + 1, kind=np.array([2], "u1"),
+                  start_ns=np.array([start], "<i8"), end_ns=np.array([start + 100_000], "<i8"))
+        b.session_id, b.resource.rank = bytes([rank + 1]) * 16, rank
+        attributes = {"collective.group": "g", "collective.seq": seq, "collective.op": "all_reduce",
+                      "collective.ranks": [0, 1], **({"collective.device": device} if device else {})}
+        b.attributes_json = json.dumps([attributes]).encode()
+        for t in range(0, 3_000_000_000, 100_000_000):
+            b.clock_samples.append(pb.ClockSample(source=pb.UDP_EXCHANGE, t1=t, t2=t + 50_000, t3=t + 50_000,
+                                                  t4=t + 100_000, local_ns=t))
+        return b.SerializeToString()
+
+    for seq, device in enumerate(("cuda", None)):
+        acks, err = export(collector.address, [rank_batch(rank, device, seq + 1) for rank in (0, 1)])
+        assert err is None and len(acks) == 2
+        with Store(collector.store, readonly=True) as store:
+            table = spantable.load(store, [f"{7 + seq + 1:016x}"])
+            al = align(table, fit_models(store))
+        moved = np.abs(al.start - table.start).max()
+        if device == "cuda":
+            assert al.facts == 0 and moved == 0
+        else:
+            assert al.facts == 2 and moved > 40_000_000
+
+
 def test_udp_responder_answers_probes_and_ignores_garbage():
     responder = UdpClockResponder("127.0.0.1", 0).start()
     try:

@@ -215,6 +215,7 @@ def test_collectives_and_p2p_join_across_ranks(world, collector):
               "all_reduce_coalesced": 24, "all_gather_single": 16, "reduce_scatter_single": 16 * world,
               "all_to_all": 8 * world, "all_to_all_single": 8 * world, "barrier": 0}
     assert all(r["a"][sc.COLL_BYTES] == nbytes[r["name"]] for r in ops), {r["name"]: r["a"][sc.COLL_BYTES] for r in ops}
+    assert {r["a"].get(sc.COLL_DEVICE) for r in ops if r["name"] != "barrier"} == {"cpu"}   # ends when done
     waited = [r["end"] - r["start"] for r in ops if r["name"] == "all_reduce" and r["a"][sc.COLL_ASYNC]]
     assert len(waited) == 4 * world and min(waited) >= 30e6
 

@@ -18,7 +18,8 @@ The keys the collector joins on (proto/semconv.py):
   of its own).
 
 Timing: a synchronous call is timed by the call (with NCCL it returns once the kernel is
-queued: host time only); an async one (async_op=True, isend, irecv, batch_isend_irecv)
+queued: host time only; collective.device names the tensors' device, and the collector
+takes no clock facts from the ends of collectives on a device); an async one (async_op=True, isend, irecv, batch_isend_irecv)
 from the call until its wait() returns, is_completed() reports it done, or the future
 from get_future() completes. A DDP bucket from the moment DDP issues its all-reduce to the
 completion callback, which runs on a backend thread (with NCCL the future may complete once
@@ -251,6 +252,15 @@ def _nbytes(value) -> int:
     return 0
 
 
+def _device(value) -> str | None:
+    """The device type of the first tensor in `value` (cpu, cuda, ...), None without one."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, map(_device, value)), None)
+    return None
+
+
 class Params:
     """Where a function's arguments are, to read them per call without inspect.bind()."""
 
@@ -301,14 +311,17 @@ def _global_rank(group, rank, group_rank):
 
 def _collective_span(name: str, group: _Group, op: str, asynchronous: bool, measure):
     """The span of the next collective on `group`, keyed (group, seq); None inside an
-    unsampled step (the number is taken either way). `measure()` gives (bytes, global rank
-    of the root or None), read only for a span that is recorded."""
+    unsampled step (the number is taken either way). `measure()` gives (its tensors, global
+    rank of the root or None), read only for a span that is recorded."""
     seq = group.take()
     parent = _parent(key=("collective", group.name, seq))
     if parent is False:
         return None
-    nbytes, root = measure()
-    attributes = _collective_keys(group, seq, op, asynchronous, nbytes)
+    tensors, root = measure()
+    attributes = _collective_keys(group, seq, op, asynchronous, _nbytes(tensors))
+    device = _device(tensors)
+    if device is not None:
+        attributes[sc.COLL_DEVICE] = device
     if root is not None:
         attributes[sc.COLL_ROOT] = root
     return _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
@@ -335,7 +348,7 @@ def _traced_collective(name: str, original):
             if group is not None:
                 asynchronous = bool(params.get("async_op", args, kwargs))
                 span = _collective_span(name, group, op, asynchronous, lambda: (
-                    _nbytes(params.get(input_arg, args, kwargs)) if input_arg else 0,
+                    params.get(input_arg, args, kwargs) if input_arg else None,
                     None if root_arg is None else _global_rank(pg, params.get(root_arg, args, kwargs),
                                                                params.get(f"group_{root_arg}", args, kwargs))))
         except Exception as exc:  # tracing must not change what the call does
@@ -725,7 +738,7 @@ class _BucketGroup(dist.ProcessGroup if AVAILABLE else object):
             work.wait()
             return work
 
-        return self._buckets.collective("ddp.broadcast_bucket_order", bucket_order, _nbytes(tensors), opts.rootRank)
+        return self._buckets.collective("ddp.broadcast_bucket_order", bucket_order, tensors, opts.rootRank)
 
     @_not_compiled
     def allreduce(self, tensors, opts):
@@ -900,15 +913,16 @@ class BucketTracer:
         forward. Untraced, a rank that waited there for a late one was counted as computing."""
         return self.collective("ddp.broadcast_buffers", functools.partial(
             type(model)._distributed_broadcast_coalesced, model, tensors, buffer_size, authoritative_rank),
-            _nbytes(tensors), authoritative_rank)
+            tensors, authoritative_rank)
 
-    def collective(self, name: str, call, nbytes: int, root: int):
-        """Run `call`, one of DDP's broadcasts, as a collective on the model's group (numbered
-        on every rank, recorded in a sampled step); `root` is a rank of the group."""
+    def collective(self, name: str, call, tensors, root: int):
+        """Run `call`, one of DDP's broadcasts of `tensors`, as a collective on the model's
+        group (numbered on every rank, recorded in a sampled step); `root` is a rank of the
+        group."""
         span = failure = None
         try:
             group = self.keys
-            span = _collective_span(name, group, "broadcast", False, lambda: (nbytes, group.ranks[root]))
+            span = _collective_span(name, group, "broadcast", False, lambda: (tensors, group.ranks[root]))
         except Exception as exc:  # tracing must not change what the call does
             failure = exc
         return _call(name, call, (), {}, [span] if span is not None else None, False, failure)
