@@ -31,8 +31,9 @@ def dumps(value) -> bytes:
             data = None
     if data is not None and (data.count(b"null") == _nones(value) or not _non_finite(value)):
         return data
-    try:
-        return json.dumps(value, separators=(",", ":"), default=_json_value, ensure_ascii=False).encode()
+    try:   # a lone surrogate (which orjson refuses) is written as '?': UTF-8 has no such character
+        return json.dumps(value, separators=(",", ":"), default=_json_value,
+                          ensure_ascii=False).encode("utf-8", "replace")
     except TypeError:   # keys json cannot write: orjson's text of them, nulls and all
         if data is None:
             raise

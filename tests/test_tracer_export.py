@@ -108,6 +108,37 @@ def test_spans_too_large_for_one_message_go_in_parts(collector):
     assert span_count(collector.store) == 8000
 
 
+def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
+    """Lone surrogates (which Python strings hold and UTF-8 does not) in a span name and an
+    attribute failed the encoding of their whole batch: every span of it was lost, and
+    force_flush() said True with nothing dropped. They now travel as '?'. A value whose
+    str() raises is the one span dropped and counted, and force_flush() says False."""
+    out = run_python("""
+        import crosstrace
+        p = crosstrace.init(export_interval_ms=60000)
+        t = p.get_tracer("t")
+
+        class Unprintable:
+            def __str__(self):
+                raise RuntimeError("no text")
+
+        for i in range(100):
+            with t.start_as_current_span("a\\ud800b" if i == 10 else "work", attributes={"i": i}) as span:
+                if i == 20:
+                    span.set_attribute("text", "x\\udfffy")
+                if i == 30:
+                    span.set_attribute("object", Unprintable())
+        print(p.force_flush(20000), p.dropped_spans)
+    """, env=tracer_env(collector, "odd"), timeout=60)
+    assert out.stdout.split() == ["False", "1"], out.stdout + out.stderr
+    assert "could not encode span 'work'" in out.stderr
+    with Store(collector.store, readonly=True) as store:
+        table = spantable.load(store)
+    assert len(table) == 99 and "a?b" in table.names
+    assert sorted(a["i"] for a in table.attributes) == [i for i in range(100) if i != 30]
+    assert [a["text"] for a in table.attributes if "text" in a] == ["x?y"]
+
+
 def test_forked_children_export_their_own_spans(collector):
     out = run_python("""
         import os, multiprocessing as mp, crosstrace

@@ -77,7 +77,10 @@ def encode_spans(batch: "pb.SpanBatch", columns: list[list]) -> None:
     batch.kind = bytes(kinds)
     batch.name = _column(_U32, map(strings.__getitem__, names), n)
     batch.thread = _column(_U64, threads, n)
-    batch.strings.extend(strings)
+    try:
+        batch.strings.extend(strings)
+    except UnicodeEncodeError:   # a lone surrogate in a name: protobuf takes UTF-8 only
+        batch.strings.extend(name.encode("utf-8", "replace").decode() for name in strings)
     batch.attributes_json = dumps(attributes)
     batch.status, batch.extras_json = _sparse(extras)
 

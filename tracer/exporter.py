@@ -278,12 +278,24 @@ class Exporter:
 
     def _send_spans(self, part: list[list], dropped: int) -> None:
         """One batch of queued spans (their columns), with the clock samples queued; halved
-        while its encoding is over MAX_BATCH_BYTES: a batch over gRPC's message limit is
-        refused whole (20,000 spans with 9 KB prompts as attributes lost 16,384)."""
+        while its encoding is over MAX_BATCH_BYTES (a batch over gRPC's message limit is
+        refused whole: 20,000 spans with 9 KB prompts as attributes lost 16,384), or fails,
+        until only the span that cannot be encoded is dropped."""
         batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id, dropped_spans=dropped)
         n = len(part[0])
         if n:
-            encode_spans(batch, part)
+            try:
+                encode_spans(batch, part)
+            except Exception as exc:   # a value no encoding takes (its str() raises): the span is dropped
+                if n > 1:              # and counted; halves find it, the others go
+                    half = n // 2
+                    self._send_spans([column[:half] for column in part], dropped)
+                    self._send_spans([column[half:] for column in part], dropped)
+                    return
+                self._warn_once("encode", f"crosstrace: could not encode span {part[3][0]!r} ({exc!r}); "
+                                          "it is dropped")
+                self.dropped += 1
+                return
             if n > 1 and encoded_size(batch) > MAX_BATCH_BYTES:
                 half = n // 2
                 self._send_spans([column[:half] for column in part], dropped)
