@@ -35,7 +35,7 @@ def main() -> None:
 
     for k in range(args.steps):
         x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
-        with crosstrace.step(k, every=args.every):  # the same trace id on every rank
+        with crosstrace.step(k, every=args.every, name="ddp-step"):  # the same trace id on every rank
             with tracer.start_as_current_span("forward", kind=compute):
                 loss = nn.functional.cross_entropy(model(x), y)
             with tracer.start_as_current_span("backward", kind=compute):

@@ -40,7 +40,7 @@ def main() -> None:
 
     for k in range(args.steps):
         x, y = torch.randn(32, 64, generator=data), torch.randn(32, 64, generator=data)
-        with crosstrace.step(k):  # the same trace id on every rank
+        with crosstrace.step(k, name="pipeline-step"):  # the same trace id on every rank
             opt.zero_grad()
             if rank == 0:
                 schedule.step(x)

@@ -157,6 +157,31 @@ def test_collector_cli_stops_cleanly_on_sigterm(collector):
     assert collector.stop() == 0
 
 
+def test_a_collector_whose_output_is_gone_still_stops_on_sigterm(tmp_path):
+    """`crosstrace collector ... | head -2`: once head exits, a progress line failed, the
+    loop that waits for the signal ended, and SIGTERM no longer stopped the collector (its
+    server's threads kept it up, holding port and store, until SIGKILL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "crosstrace", "collector", "--listen", "127.0.0.1:0",
+                             "--store", str(tmp_path / "s.db")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        address = proc.stdout.readline().split()[4].rstrip(",")
+        proc.stdout.close()
+        proc.stderr.close()
+        run_python("""
+            import crosstrace
+            p = crosstrace.init()
+            with p.get_tracer("t").start_as_current_span("x"):
+                pass
+            assert p.force_flush(10000)
+        """, env={"CROSSTRACE_ENDPOINT": address, "CROSSTRACE_NODE_ID": "piped"})
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def _processes_mentioning(text: str) -> list[int]:
     """Live processes whose command line or environment holds `text`."""
     found = []
@@ -170,7 +195,10 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_a_terminated_demo_stops_its_collector_and_workers(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_terminated_demo_stops_its_collector_and_workers(tmp_path, sig):
+    """SIGTERM, or SIGHUP (its terminal closed): the demo stops its workers and collector,
+    which run in sessions of their own (a hangup left them running for good)."""
     demo = subprocess.Popen([sys.executable, "-m", "crosstrace", "demo", "--workloads", "rpc", "--requests", "100000",
                              "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killer = threading.Timer(120, demo.kill)
@@ -187,9 +215,10 @@ def test_a_terminated_demo_stops_its_collector_and_workers(tmp_path):
         while len(_processes_mentioning(f"CROSSTRACE_ENDPOINT={address}")) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)   # the three RPC workers
         assert len(_processes_mentioning(f"CROSSTRACE_ENDPOINT={address}")) == 3
-        demo.send_signal(signal.SIGTERM)
-        assert demo.wait(60) == 143
-        assert "interrupted" in demo.stdout.read()
+        demo.send_signal(sig)
+        assert demo.wait(60) == 128 + sig
+        rest = demo.stdout.read()
+        assert "interrupted" in rest and "Traceback" not in rest
         deadline = time.monotonic() + 20
         while (_processes_mentioning(f"CROSSTRACE_ENDPOINT={address}") or _processes_mentioning(str(tmp_path))) \
                 and time.monotonic() < deadline:

@@ -48,7 +48,7 @@ def test_ddp_example_under_torchrun(collector):
     assert not [r for r in rows if r["status"] == Status.ERROR]
     step_of = step_traces(rows, "ddp-example")
     assert sorted(step_of.values()) == [0, 2]  # every 2nd step
-    steps = [r for r in rows if r["name"] == "step"]
+    steps = [r for r in rows if r["name"] == "ddp-step"]
     assert sorted(r["rank"] for r in steps) == [0, 0, 1, 1]
     buckets = [r for r in rows if r["name"] == "ddp.all_reduce"]
     assert buckets and len(check_collectives_join(rows)) * 2 == len(buckets)
@@ -63,6 +63,7 @@ def test_pipeline_example_under_torchrun(collector):
     assert not [r for r in rows if r["status"] == Status.ERROR]
     step_of = step_traces(rows, "pipeline-example")
     assert sorted(step_of.values()) == [0, 1]
+    assert sorted(r["rank"] for r in rows if r["name"] == "pipeline-step") == [0, 0, 1, 1]   # apart from DDP's
     compute = [r for r in rows if r["kind"] == Kind.COMPUTE]
     assert {(r["rank"], r["name"]) for r in compute} == {(rank, name) for rank in (0, 1)
                                                          for name in ("forward", "backward")}

@@ -55,8 +55,8 @@ def spans(collector) -> list[dict]:
 def step_traces(rows, job: str) -> dict[str, int]:
     """trace id -> step number, for the steps of `job`, each trace id the one its job, run
     and number give."""
-    steps = [r for r in rows if r["name"] == "step"]
-    assert all(r["trace"] == f"{step_trace_id(job, r['a'][sc.STEP], r['a'][sc.RUN_ID]):032x}" for r in steps)
+    steps = [r for r in rows if sc.STEP in (r["a"] or {}) and r["a"].get(sc.JOB_ID) == job]
+    assert steps and all(r["trace"] == f"{step_trace_id(job, r['a'][sc.STEP], r['a'][sc.RUN_ID]):032x}" for r in steps)
     return {r["trace"]: r["a"][sc.STEP] for r in steps}
 
 

@@ -194,6 +194,12 @@ class Exporter:
                 return False
         return flushed
 
+    def unacked_spans(self) -> int:
+        """Spans batched and not acked yet, and spans still queued."""
+        with self._lock:
+            batched = sum(entry.spans for entry in self._unacked.values())
+        return batched + len(self.queue.queue) // FIELDS
+
     def restart_after_fork(self) -> "Exporter":
         """In a forked child (a DataLoader worker): a new session, stream and thread. The
         parent's gRPC channel, threads and spool files are not touched."""

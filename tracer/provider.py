@@ -399,9 +399,17 @@ class TracerProvider(trace_api.TracerProvider):
 
 
 def _exit_hook(ref) -> None:
+    """Flush at exit, and say what did not reach the collector: a job that ran without one
+    exited quietly, its spans lost."""
     provider = ref()
-    if provider is not None:
-        provider.shutdown()
+    if provider is None or provider.shutdown() or provider._exporter is None:
+        return
+    left = provider._exporter.unacked_spans()
+    if left:
+        cfg = provider.config
+        where = f"kept in {cfg.spool_dir} for the next process there" if cfg.spool_dir else "lost"
+        log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged: %s",
+                    left, cfg.endpoint, where)
 
 
 def _after_fork(ref) -> None:

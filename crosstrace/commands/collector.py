@@ -10,6 +10,7 @@ import time
 from ..collector import security
 from ..collector.relay import Relay
 from ..collector.server import Collector
+from ..proto.endpoint import split_host_port
 from .report import positive
 
 
@@ -45,7 +46,8 @@ def register(sub) -> None:
     relay.add_argument("--forward-to", metavar="ENDPOINT", help="upstream collector (host:port): relay mode")
     relay.add_argument("--node-id", help="this relay's node id (default CROSSTRACE_NODE_ID, else <host>/relay)")
     relay.add_argument("--spool", metavar="DIR", help="where batches wait for upstream (default STORE.spool)")
-    relay.add_argument("--spool-max-mb", type=int, help="spool size limit (default CROSSTRACE_SPOOL_MAX_MB, else 256)")
+    relay.add_argument("--spool-max-mb", type=positive,
+                       help="spool size limit (default CROSSTRACE_SPOOL_MAX_MB, else 256)")
     p.set_defaults(func=run_args)
 
 
@@ -57,17 +59,16 @@ def run_args(args) -> int:
     credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     tokens = security.load_tokens(args.tokens) if args.tokens else None
     warning = security.exposure_warning(args.listen, credentials is not None, tokens is not None)
-    if warning:
-        print(f"crosstrace collector: {warning}", file=sys.stderr, flush=True)
     upstream = None
     options = {}
     if args.forward_to:
+        split_host_port(args.forward_to.split("://", 1)[-1])   # a clear error now, not retries for ever
         upstream, relay_clock = _upstream(args)
         clock = relay_clock.domain()
         options = {"forward": Relay(upstream.cfg.node_id, upstream, clock), "now": relay_clock.now, "clock": clock}
     try:
         return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
-                   tokens=tokens, max_streams=args.max_streams, **options)
+                   tokens=tokens, max_streams=args.max_streams, warning=warning, **options)
     finally:
         if upstream is not None:
             upstream.shutdown(upstream.cfg.exit_flush_timeout_s)
@@ -89,9 +90,9 @@ def _upstream(args):
 
 
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
-        progress_interval_s: float = 10.0, **options) -> int:
+        progress_interval_s: float = 10.0, warning: str | None = None, **options) -> int:
     """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, max_streams,
-    forward, now, clock)."""
+    forward, now, clock). `warning` (about exposure) is printed once the server is up."""
     collector = Collector(store, listen, sync=sync, **options).start()
     stop = threading.Event()
 
@@ -102,25 +103,39 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
     signal.signal(signal.SIGINT, on_signal)
     relay = options.get("forward")
     via = f", relaying to {relay.upstream.cfg.endpoint} as {relay.node_id}" if relay else ""
-    print(f"crosstrace collector listening on {collector.address}, store {store}{via}", flush=True)
-    if collector.store.shift_ns:
-        print(f"crosstrace collector: {store} was begun on another clock (this machine rebooted, or the store "
-              f"was moved); its timeline goes on through the wall clock, {collector.store.shift_ns / 1e9:+.3f} s "
-              "from this machine's clock: spans from before and after are placed relative to each other "
-              "within the wall clock's error", file=sys.stderr, flush=True)
-    stats = collector.service.stats
-    last, last_t = 0, time.monotonic()
-    while not stop.wait(progress_interval_s):
-        if quiet:
-            continue
-        now = time.monotonic()
-        with stats.lock:
-            spans, nodes, rejected = stats.spans, len(stats.nodes), sum(stats.rejected.values())
-        if spans != last:
-            rate = (spans - last) / (now - last_t)
-            print(f"stored {spans:,} spans from {nodes} node(s) ({rate:,.0f}/s)"
-                  + (f", rejected {rejected:,}" if rejected else ""), flush=True)
-        last, last_t = spans, now
-    print("crosstrace collector stopping", file=sys.stderr, flush=True)
-    collector.stop()
+    try:
+        if warning:
+            say(f"crosstrace collector: {warning}", sys.stderr)
+        say(f"crosstrace collector listening on {collector.address}, store {store}{via}")
+        if collector.store.shift_ns:
+            say(f"crosstrace collector: {store} was begun on another clock (this machine rebooted, or the store "
+                f"was moved); its timeline goes on through the wall clock, {collector.store.shift_ns / 1e9:+.3f} s "
+                "from this machine's clock: spans from before and after are placed relative to each other "
+                "within the wall clock's error", sys.stderr)
+        stats = collector.service.stats
+        last, last_t = 0, time.monotonic()
+        while not stop.wait(progress_interval_s):
+            if quiet:
+                continue
+            now = time.monotonic()
+            with stats.lock:
+                spans, nodes, rejected = stats.spans, len(stats.nodes), sum(stats.rejected.values())
+            if spans != last:
+                rate = (spans - last) / (now - last_t)
+                say(f"stored {spans:,} spans from {nodes} node(s) ({rate:,.0f}/s)"
+                    + (f", rejected {rejected:,}" if rejected else ""))
+            last, last_t = spans, now
+        say("crosstrace collector stopping", sys.stderr)
+    finally:   # whatever happens to the loop, the server stops: its threads would keep the process up
+        collector.stop()
     return 0
+
+
+def say(line: str, stream=None) -> None:
+    """A progress line. Where the output is gone (a pipe into `head` that ended), the
+    collector goes on serving silently: a failed print stopped its loop, and SIGTERM then
+    set an event nothing waited on, while the server's threads kept the process up."""
+    try:
+        print(line, file=stream or sys.stdout, flush=True)
+    except (OSError, ValueError):
+        pass

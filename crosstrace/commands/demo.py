@@ -40,8 +40,11 @@ def run(args) -> int:
 
     console = Console()
     say = lambda m: console.print(f"[dim]demo:[/] {escape(m)}")   # noqa: E731
-    # SIGTERM ends the demo as Ctrl-C does: through the `finally`s that stop the workers and the collector.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM, and SIGHUP (the terminal closed, an ssh session lost), end the demo as Ctrl-C does:
+    # through the `finally`s that stop the workers and the collector, which run in sessions of
+    # their own and would not see the hangup.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     try:
         report = run_demo(args.out, requests=args.requests, workloads=args.workloads, say=say)
     except (KeyboardInterrupt, SystemExit):

@@ -25,7 +25,13 @@ def run(workers: Workers, say) -> dict:
             f"edge clock {EDGE_CLOCK.offset_ns / 1e6:+.0f} ms {EDGE_CLOCK.drift_ppm:+.0f} ppm")
         workers.start(["-m", MODULE, "--role", "edge", "--upstream", link.address, "--requests", str(REQUESTS)],
                       workers.env("edge", EDGE_CLOCK))
-        workers.wait(workers.procs[-1], 60)
+        edge = workers.procs[-1]
+        try:
+            workers.finish(edge, 60, "edge")
+        finally:   # stopped while the link is up: an interrupted demo's edge has no calls cut to fail
+            if edge.poll() is None:
+                edge.terminate()
+                workers.wait(edge, 10)
     cloud_proc.terminate()              # flushes its spans on SIGTERM
     workers.wait(cloud_proc, 30)
     return {"requests": REQUESTS, "up_ms": UP_MS, "down_ms": DOWN_MS, "jitter_ms": JITTER_MS,

@@ -12,6 +12,7 @@ import argparse
 import concurrent.futures
 import queue
 import random
+import sys
 import threading
 import time
 
@@ -58,7 +59,8 @@ def cloud(listen: str) -> None:
     serve(listen, handle)
 
 
-def edge(upstream: str, requests: int) -> None:
+def edge(upstream: str, requests: int) -> bool:
+    """Send the requests over STREAMS threads; False where a stream failed."""
     tracer = trace.get_tracer("crosstrace.demo.edge")
     raw = grpc.insecure_channel(upstream)
     grpc.channel_ready_future(raw).result(timeout=30)   # connected: no request pays the handshake
@@ -66,13 +68,19 @@ def edge(upstream: str, requests: int) -> None:
     infer = channel.unary_unary(METHOD)
     image = bytes(4 * 768 * 4)      # 4 feature vectors, float32
 
+    failed = []
+
     def stream(index: int, count: int) -> None:
         rng = random.Random(index)
         for i in range(count):
-            with tracer.start_as_current_span("edge-request", attributes={"stream": index, "request": i}):
-                with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
-                    busy(3 + 2 * rng.random())
-                infer(image, timeout=30)
+            try:
+                with tracer.start_as_current_span("edge-request", attributes={"stream": index, "request": i}):
+                    with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
+                        busy(3 + 2 * rng.random())
+                    infer(image, timeout=30)
+            except grpc.RpcError as exc:   # the span says so; the stream ends
+                failed.append(f"{exc.code().name}: {exc.details()}")
+                return
             time.sleep(0.02 * rng.random())
 
     threads = [threading.Thread(target=stream, args=(s, requests // STREAMS + (s < requests % STREAMS)))
@@ -81,6 +89,9 @@ def edge(upstream: str, requests: int) -> None:
         t.start()
     for t in threads:
         t.join(120)
+    if failed:
+        print(f"edge: {len(failed)} of {STREAMS} request streams failed ({failed[0]})", file=sys.stderr)
+    return not failed
 
 
 def main() -> None:
@@ -91,11 +102,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30)
     args = parser.parse_args()
     provider = crosstrace.init(role=args.role)   # endpoint, node id and clock from CROSSTRACE_* env
+    ok = True
     if args.role == "cloud":
         cloud(args.listen)
     else:
-        edge(args.upstream, args.requests)
+        ok = edge(args.upstream, args.requests)
     provider.shutdown()
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

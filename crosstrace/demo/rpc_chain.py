@@ -53,7 +53,7 @@ def run(workers, say, requests: int = 20) -> dict:
                             workers.env("gateway", SimClock(-120_000_000, -25.0)), wait_listening=True)
     workers.start(["-m", mod, "--role", "frontend", "--upstream", gateway, "--requests", str(requests)],
                   workers.env("frontend", SimClock(250_000_000, 40.0)))
-    workers.wait(workers.procs[-1], 120)
+    workers.finish(workers.procs[-1], 120, "frontend")
     return {"requests": requests}
 
 

@@ -55,6 +55,12 @@ class Workers:
             proc.kill()
             raise RuntimeError(f"demo worker {proc.args} did not finish within {timeout_s:.0f} s") from None
 
+    def finish(self, proc: subprocess.Popen, timeout_s: float, name: str) -> None:
+        """Wait for a worker that runs to its end; one that fails fails the demo."""
+        self.wait(proc, timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"demo worker {name} exited with {proc.returncode}")
+
     def run_ranks(self, module: str, job_id: str, node: str, clocks, args: list[str], timeout_s: float = 90):
         """Start one process per rank of a gloo job (torchrun's environment, node ids
         "<node>-<rank>", one simulated clock each) and wait for all of them to succeed. Each
@@ -69,9 +75,7 @@ class Workers:
             procs.append(self.procs[-1])
         deadline = time.monotonic() + timeout_s
         for rank, proc in enumerate(procs):
-            self.wait(proc, max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                raise RuntimeError(f"demo worker {node}-{rank} ({module}) exited with {proc.returncode}")
+            self.finish(proc, max(1.0, deadline - time.monotonic()), f"{node}-{rank} ({module})")
 
     def stop_all(self, timeout_s: float = 20) -> None:
         for proc in self.procs:
