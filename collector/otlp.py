@@ -54,18 +54,23 @@ def attributes_of(key_values) -> dict:
     return {kv.key: value_of(kv.value) for kv in key_values}
 
 
+def _int(value, limit: int, default: int) -> int:
+    """An attribute that must be an integer in [0, limit): a bool is not one (isinstance
+    says it is, and a Resource field refused it, failing the whole request)."""
+    return value if type(value) is int and 0 <= value < limit else default
+
+
 def resource_of(resource) -> "pb.Resource":
     attrs = attributes_of(resource.attributes)
     host = str(attrs.get("host.name", ""))
-    pid = attrs.get("process.pid")
-    pid = pid if isinstance(pid, int) and 0 <= pid < 1 << 31 else 0
+    pid = _int(attrs.get("process.pid"), 1 << 31, 0)
     service = str(attrs.get("service.name", ""))
     node = (attrs.get(sc.NODE_ID) or (f"{host}/{pid}" if host and pid else "")
             or attrs.get("service.instance.id") or f"otlp/{service or 'unknown'}")
     rank = attrs.get(sc.RANK)
     labels = {k: str(v) for k, v in attrs.items() if len(str(v)) <= _MAX_LABEL}
     labels.update({sc.CLOCK_LABEL: sc.CLOCK_UNIX_EPOCH, sc.SOURCE_LABEL: "otlp"})
-    rank = rank if isinstance(rank, int) and 0 <= rank < 1 << 31 else -1
+    rank = _int(rank, 1 << 31, -1)
     return pb.Resource(node_id=str(node), host=host, rank=rank,
                        world_size=0, local_rank=-1, role=str(attrs.get(sc.ROLE, "")),
                        job_id=str(attrs.get(sc.JOB_ID, "")), pid=pid, service_name=service, labels=labels)
@@ -80,10 +85,16 @@ def _time(t: int) -> int:
     return t if t <= _I64_MAX else _I64_MAX   # the checks reject it as absurd
 
 
-def to_batch(resource_spans) -> "pb.SpanBatch":
+def to_batch(resource_spans) -> tuple["pb.SpanBatch", collections.Counter]:
     """One ResourceSpans as a SpanBatch (no session: OTLP has no resend numbering; stored
-    spans are still deduplicated by (trace_id, span_id))."""
+    spans are still deduplicated by (trace_id, span_id)), and the spans left out by reason:
+    a parent id of the wrong length (it was read as none, the span stored as a root)."""
     spans = [span for scope in resource_spans.scope_spans for span in scope.spans]
+    rejected = collections.Counter()
+    if any(s.parent_span_id and len(s.parent_span_id) != 8 for s in spans):
+        kept = [s for s in spans if not s.parent_span_id or len(s.parent_span_id) == 8]
+        rejected["invalid_parent_span_id"] = len(spans) - len(kept)
+        spans = kept
     n = len(spans)
     cols = collections.defaultdict(list)
     strings: dict[str, int] = {}
@@ -93,7 +104,7 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
         cols["trace_id_hi"].append(trace >> 64)
         cols["trace_id_lo"].append(trace & ((1 << 64) - 1))
         cols["span_id"].append(_u64(s.span_id, 8))
-        cols["parent_span_id"].append(_u64(s.parent_span_id, 8) if s.parent_span_id else 0)
+        cols["parent_span_id"].append(_u64(s.parent_span_id, 8))
         cols["start_ns"].append(_time(s.start_time_unix_nano))
         cols["end_ns"].append(_time(s.end_time_unix_nano))
         attrs = attributes_of(s.attributes)
@@ -104,8 +115,7 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
         code = int(s.status.code)
         cols["status"].append(code if 0 <= code <= 255 else 255)   # out of range: rejected as unknown_status
         cols["name"].append(strings.setdefault(s.name, len(strings)))
-        thread = attrs.get("thread.id")
-        cols["thread"].append(thread if isinstance(thread, int) and 0 <= thread < 1 << 64 else 0)
+        cols["thread"].append(_int(attrs.get("thread.id"), 1 << 64, 0))
         attributes.append(attrs or None)
         extra = {}
         if s.events:
@@ -129,7 +139,7 @@ def to_batch(resource_spans) -> "pb.SpanBatch":
     batch.attributes_json = dumps(attributes)
     if extras:
         batch.extras_json = dumps(extras)
-    return batch
+    return batch, rejected
 
 
 class OtlpService:
@@ -147,11 +157,21 @@ class OtlpService:
         rejected: collections.Counter = collections.Counter()
         try:
             with self.service.in_flight.hold(len(data)):
+                batches = []   # every resource read before any is stored: a request fails whole or not at all
                 for resource_spans in request.resource_spans:
                     n = sum(len(scope.spans) for scope in resource_spans.scope_spans)
                     if n > MAX_SPANS_PER_BATCH:   # refused before the spans are converted one by one
                         raise TooLarge(f"a resource holds {n} spans; at most {MAX_SPANS_PER_BATCH} per request")
-                    checked, _ = self.service.ingest(to_batch(resource_spans))
+                    try:
+                        batch, left_out = to_batch(resource_spans)
+                    except Exception as exc:   # a value nothing reads
+                        raise BadBatch(f"unreadable ResourceSpans: {exc!r}") from None
+                    batches.append(batch)
+                    rejected.update(left_out)
+                if rejected:
+                    self.service.count_rejects(rejected)
+                for batch in batches:
+                    checked, _ = self.service.ingest(batch)
                     rejected.update(checked.rejected)
         except BadBatch as exc:
             self.service.refuse(exc, context)

@@ -2,13 +2,15 @@
 for mutual TLS) and bearer tokens, one per client.
 
 Tokens file: one client per line, `NAME TOKEN`, or a bare `TOKEN` (named after its line);
-blank lines and `#` comments are skipped. A client sends `authorization: Bearer TOKEN`
+blank lines and comments (`#` at the start of a line or after a space) are skipped: a `#`
+inside a token is part of it. A client sends `authorization: Bearer TOKEN`
 (the tracer's CROSSTRACE_TOKEN; any OpenTelemetry exporter's headers option). Every token
 is compared in constant time, all of them on every call, so the answer's timing says
 nothing about which token came close. A call without a valid token is refused with
 UNAUTHENTICATED before any handler runs: it stores nothing.
 """
 import hmac
+import re
 import ssl
 
 import grpc
@@ -17,6 +19,7 @@ from ..proto.endpoint import is_loopback, split_host_port
 
 AUTH_KEY = "authorization"
 _BEARER = "bearer "
+_COMMENT = re.compile(r"(?:^|\s)#")
 
 
 class SecurityConfigError(ValueError):
@@ -38,7 +41,7 @@ def load_tokens(path: str) -> dict[str, bytes]:
     """client name -> token, from a tokens file (see the module docstring)."""
     tokens: dict[str, bytes] = {}
     for number, line in enumerate(_read(path, "tokens file").decode("utf-8", "replace").splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
+        line = _COMMENT.split(line, 1)[0].strip()
         if not line:
             continue
         fields = line.split()
@@ -59,14 +62,25 @@ def server_credentials(cert: str, key: str, client_ca: str | None = None) -> grp
     """TLS with this certificate chain and key; with `client_ca`, mutual TLS: clients must
     present a certificate signed by that CA."""
     pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
-    try:   # checked here: gRPC reports a certificate it cannot use as a port it cannot bind
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
-    except ssl.SSLError as exc:
-        raise ValueError(f"the TLS certificate {cert} and key {key} are not a usable pair: {exc}") from None
-    if client_ca:
-        return grpc.ssl_server_credentials([pair], root_certificates=_read(client_ca, "client CA"),
-                                           require_client_auth=True)
-    return grpc.ssl_server_credentials([pair])
+    # Checked here: gRPC reports a certificate, key or CA it cannot use as a port it cannot bind.
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=_encrypted)
+    except (ssl.SSLError, OSError) as exc:
+        raise SecurityConfigError(f"the TLS certificate {cert} and key {key} are not a usable pair: {exc}") from None
+    if not client_ca:
+        return grpc.ssl_server_credentials([pair])
+    ca = _read(client_ca, "client CA")
+    try:
+        ssl.create_default_context().load_verify_locations(cadata=ca.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError) as exc:
+        raise SecurityConfigError(f"the client CA {client_ca} holds no usable certificate: {exc}") from None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=True)
+
+
+def _encrypted() -> bytes:
+    """The password callback of a key check: only an encrypted key asks for one (OpenSSL
+    would otherwise prompt on the terminal), and gRPC cannot use such a key."""
+    raise SecurityConfigError("the TLS key is encrypted (with a passphrase); gRPC needs it unencrypted")
 
 
 def exposure_warning(listen: str, tls: bool, tokens: bool) -> str | None:

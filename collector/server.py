@@ -189,12 +189,16 @@ class CollectorService:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if too_large else grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def count_whole_reject(self, reason: str) -> None:
+        self.count_rejects(collections.Counter({reason: 1}))
+
+    def count_rejects(self, rejected: collections.Counter) -> None:
+        """Rejects found before a batch reaches ingest (a whole batch, OTLP's own checks)."""
         with self.stats.lock:
-            self.stats.rejected[reason] += 1
+            self.stats.rejected.update(rejected)
         try:
-            self.store.record_rejects(collections.Counter({reason: 1}))
+            self.store.record_rejects(rejected)
         except Exception:
-            log.exception("could not record a rejected batch")
+            log.exception("could not record rejected spans")
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {

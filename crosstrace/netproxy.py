@@ -25,6 +25,7 @@ from .proto.endpoint import split_host_port
 
 _POLL_S = 0.1           # how often blocked threads look at the stop flag
 _CHUNK = 65536
+_MAX_QUEUED = 4 << 20   # bytes held per direction of a connection
 
 
 def _receive(sock: socket.socket) -> tuple[bytes, float]:
@@ -41,6 +42,7 @@ class _Pipe:
     def __init__(self, conn: "_Connection", src: socket.socket, dst: socket.socket, delay_s: float, name: str):
         self.conn, self.src, self.dst, self.delay_s = conn, src, dst, delay_s
         self.queue: collections.deque = collections.deque()
+        self.queued = 0                 # bytes in the queue: at most _MAX_QUEUED, then the sender waits
         self.ready = threading.Condition()
         self.threads = [threading.Thread(target=self._read, name=f"{name}-read", daemon=True),
                         threading.Thread(target=self._write, name=f"{name}-write", daemon=True)]
@@ -48,6 +50,10 @@ class _Pipe:
     def _read(self) -> None:
         proxy, last_due = self.conn.proxy, 0.0
         while not proxy._stop.is_set():
+            with self.ready:   # a receiver that does not read makes the sender wait, as TCP would
+                if self.queued > _MAX_QUEUED and not self.conn.closed:
+                    self.ready.wait(_POLL_S)
+                    continue
             try:
                 data, arrived = _receive(self.src)
             except socket.timeout:
@@ -58,7 +64,8 @@ class _Pipe:
             last_due = due
             with self.ready:
                 self.queue.append((due, data))
-                self.ready.notify()
+                self.queued += len(data)
+                self.ready.notify_all()
             if not data:
                 return
 
@@ -81,15 +88,28 @@ class _Pipe:
                     continue
                 with self.ready:
                     self.queue.popleft()
+                    self.queued -= len(data)
+                    self.ready.notify_all()
                 if not data:
                     self.dst.shutdown(socket.SHUT_WR)   # the source closed: pass the EOF on, in order
                     return
-                self.dst.sendall(data)
+                self._send(data)
                 self.conn.proxy._count(len(data))
         except OSError:
             self.conn.close()                           # a peer went away: end both directions
         finally:
             self.conn.pipe_done()
+
+    def _send(self, data: bytes) -> None:
+        """All of `data`, however long the receiver takes to read: a send that times out (its
+        buffer full for _POLL_S) is tried again. sendall() under the timeout took a busy
+        receiver for a lost peer, cut the stream and passed a clean EOF on."""
+        view, stop = memoryview(data), self.conn.proxy._stop
+        while view and not stop.is_set():
+            try:
+                view = view[self.dst.send(view):]
+            except socket.timeout:
+                continue
 
 
 class _Connection:
@@ -101,6 +121,7 @@ class _Connection:
                       _Pipe(self, upstream, client, proxy.down_s, f"delayproxy-{n}-down"))
         self._open = 2
         self._lock = threading.Lock()
+        self.closed = False
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -118,6 +139,7 @@ class _Connection:
             self.close()
 
     def close(self) -> None:
+        self.closed = True
         for sock in self.sockets:
             try:
                 sock.close()

@@ -116,6 +116,32 @@ def test_large_transfer_and_half_close(echo):
     assert bytes(received) == data             # ... which closes, and the EOF comes back
 
 
+def test_a_receiver_that_pauses_gets_every_byte():
+    """The upstream reads nothing for 1 s while 16 MB come: the proxy's send timed out
+    after 0.1 s, it closed both sides, and the upstream saw a clean EOF after 2.9 MB."""
+    server = socket.create_server(("127.0.0.1", 0))
+    got = {}
+
+    def slow_reader():
+        conn, _ = server.accept()
+        conn.settimeout(20)
+        time.sleep(1.0)
+        got["data"] = b"".join(iter_recv(conn))
+        conn.close()
+
+    reader = threading.Thread(target=slow_reader, daemon=True)
+    reader.start()
+    data = os.urandom(1 << 20) * 16
+    with DelayProxy(f"127.0.0.1:{server.getsockname()[1]}", up_ms=5) as proxy:
+        client = connect(proxy)
+        client.sendall(data)
+        client.shutdown(socket.SHUT_WR)
+        reader.join(30)
+        client.close()
+    server.close()
+    assert len(got["data"]) == len(data) and got["data"] == data
+
+
 def iter_recv(sock):
     while chunk := sock.recv(65536):
         yield chunk

@@ -13,6 +13,8 @@ from opentelemetry import propagate
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider as SdkProvider
@@ -109,7 +111,16 @@ def test_bad_otlp_spans_are_rejected_one_by_one(collector):
             raw_span(span_id=b"\x04" * 8, start=10**18, end=10**18 - 1),  # ends before it starts
             trace_pb2.Span(trace_id=b"\x01" * 16, span_id=b"\x05" * 8, name="op", start_time_unix_nano=10**18,
                            end_time_unix_nano=10**18 + 1, status=trace_pb2.Status(code=-1)),  # no such code
-        ])])])
+            trace_pb2.Span(trace_id=b"\x01" * 16, span_id=b"\x06" * 8, parent_span_id=b"\x07" * 3, name="op",
+                           start_time_unix_nano=10**18, end_time_unix_nano=10**18 + 1),   # was stored as a root
+        ])]),
+        # A bool where an integer belongs: a Resource field refused it, and the whole request
+        # failed after the resources before it were stored.
+        trace_pb2.ResourceSpans(resource=resource_pb2.Resource(attributes=[
+            common_pb2.KeyValue(key="process.pid", value=common_pb2.AnyValue(bool_value=True)),
+            common_pb2.KeyValue(key="host.name", value=common_pb2.AnyValue(string_value="cam")),
+            common_pb2.KeyValue(key="service.name", value=common_pb2.AnyValue(string_value="camera"))]),
+            scope_spans=[trace_pb2.ScopeSpans(spans=[raw_span(span_id=b"\x08" * 8)])])])
     with grpc.insecure_channel(collector.address) as channel:
         response = otlp_grpc.TraceServiceStub(channel).Export(request, timeout=10)
         with pytest.raises(grpc.RpcError) as err:
@@ -117,14 +128,15 @@ def test_bad_otlp_spans_are_rejected_one_by_one(collector):
                                 request_serializer=None, response_deserializer=None)(b"\xff\xff garbage", timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "ExportTraceServiceRequest" in err.value.details()
-    assert response.partial_success.rejected_spans == 3
+    assert response.partial_success.rejected_spans == 4
     assert "invalid_trace_id" in response.partial_success.error_message
+    assert "1 invalid_parent_span_id" in response.partial_success.error_message
     store = Store(collector.store, readonly=True)
     try:
-        assert store.span_count() == 1
+        assert store.span_count() == 2
         assert store.rejects() == {"end_before_start": 1, "invalid_trace_id": 1, "malformed_batch": 1,
-                                   "unknown_status": 1}
-        assert [r.node_id for r in store.nodes().values()] == ["otlp/unknown"]
+                                   "unknown_status": 1, "invalid_parent_span_id": 1}
+        assert sorted(r.node_id for r in store.nodes().values()) == ["otlp/camera", "otlp/unknown"]
     finally:
         store.close()
 

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from crosstrace.collector.security import load_tokens
 from crosstrace.launch import CollectorProcess, wait_until
 from crosstrace.proto import pb
 
@@ -175,13 +176,31 @@ def test_listening_beyond_loopback_unprotected_warns(tmp_path, pki):
 def test_bad_security_options_are_clear_errors(tmp_path, pki):
     short = tmp_path / "short-tokens"
     short.write_text("edge abc\n")
+    key = serialization.load_pem_private_key(open(pki["server_key"], "rb").read(), None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))
+    encrypted = str(encrypted)
     cases = [(["--tokens", str(short)], "shorter than 16 characters"),
              (["--tokens", str(tmp_path / "absent")], "cannot read the tokens file"),
              (["--tls-cert", pki["server_cert"]], "--tls-cert and --tls-key go together"),
              (["--tls-cert", pki["server_cert"], "--tls-key", str(tmp_path / "absent.key")], "cannot read the TLS key"),
              # a certificate gRPC cannot use was reported as an address it could not bind
-             (["--tls-cert", str(short), "--tls-key", str(short)], "not a usable pair")]
+             (["--tls-cert", str(short), "--tls-key", str(short)], "not a usable pair"),
+             # so was a client CA that holds no certificate (here a key)
+             (["--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"], "--tls-client-ca",
+               pki["server_key"]], "holds no usable certificate"),
+             # an encrypted key made OpenSSL prompt for its passphrase on the terminal
+             (["--tls-cert", pki["server_cert"], "--tls-key", encrypted], "the TLS key is encrypted")]
     for args, message in cases:
         out = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--store", str(tmp_path / "x.db"),
                               "--listen", "127.0.0.1:0", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+
+
+def test_a_hash_inside_a_token_is_part_of_it(tmp_path):
+    """`#` started a comment anywhere in a line: `edge abcdefghijklmnop#qrstuv` loaded the
+    prefix, which was then the token accepted, and the full one refused."""
+    path = tmp_path / "tokens"
+    path.write_text("# clients\nedge abcdefghijklmnop#qrstuv  # the camera\n  # indented comment\n")
+    assert load_tokens(str(path)) == {"edge": b"abcdefghijklmnop#qrstuv"}
