@@ -214,8 +214,9 @@ def _correct(models: list[ClockModel], facts: Precedence) -> list[ClockModel]:
 
 class _Knots:
     """Knots of each node's correction, numbered node after node, on a KNOT_NS grid from its
-    first fact: the two around each fact and DECAY_KNOTS on either side, where a correction
-    can return to zero; none in the long stretches between, where it runs straight. Every
+    first fact: the two around each fact and DECAY_KNOTS on either side within its facts,
+    where a correction can return to zero; none in the long stretches between, where it
+    runs straight. Every
     knot on the grid made two facts 8 h apart cost 11.5 s (Bellman-Ford takes a round per
     knot of a chain), 24 h apart 114 s. Every model gets a slot, an empty one for a node in
     no fact (one outside the job)."""
@@ -268,9 +269,11 @@ DECAY_KNOTS = 64   # grid steps kept on each side of a fact: a 64 ms correction 
 
 
 def _spread(cells: np.ndarray) -> np.ndarray:
-    """The sorted grid cells within DECAY_KNOTS of a fact's (and the one after it), from 0."""
+    """The sorted grid cells within DECAY_KNOTS of a fact's (and the one after it), between
+    the first fact's and the one after the last: beyond them the correction stays as it
+    is at the ends, as with a knot in every cell, which facts a few seconds apart still get."""
     cells = np.unique(cells)
-    lo, hi = np.maximum(cells - DECAY_KNOTS, 0), cells + 1 + DECAY_KNOTS
+    lo, hi = np.maximum(cells - DECAY_KNOTS, 0), np.minimum(cells + 1 + DECAY_KNOTS, cells[-1] + 1)
     reach = np.maximum.accumulate(hi)
     new = np.r_[True, lo[1:] > reach[:-1] + 1]            # runs of overlapping ranges
     starts, ends = lo[new], reach[np.r_[new[1:], True]]

@@ -12,7 +12,6 @@ import subprocess
 import time
 
 from .exchange import OffsetSample
-from .fit import MAX_DRIFT_PPM
 
 DEFAULT_UDS = "/var/run/ptp4l"
 _FIELD = re.compile(r"^\s+(\w+)\s+(\S+)\s*$")
@@ -43,9 +42,13 @@ def read_pmc(uds: str, timeout_s: float = 1.0, domain: int = 0) -> dict[str, str
     return fields
 
 
-def sample_from_fields(fields: dict[str, str], now, realtime_ns=time.time_ns) -> OffsetSample:
-    """A sample from pmc's fields; `now()` is the node's clock, `realtime_ns()` the clock
-    ptp4l timestamps with."""
+def sample_from_fields(fields: dict[str, str], local_at, realtime_ns=time.time_ns,
+                       monotonic_ns=time.monotonic_ns) -> OffsetSample:
+    """A sample from pmc's fields; `local_at(t)` is the node's clock at monotonic time t,
+    `realtime_ns()` the clock ptp4l timestamps with. The offset was measured at the Sync's
+    ingress, a realtime instant: the node's clock is read at that instant through the
+    monotonic clock, which runs at realtime's rate (NTP slews both), so a node clock that
+    drifts (a simulated one) is read where the offset was measured, not when pmc answered."""
     if fields.get("gmPresent") != "true":
         raise PtpError("ptp4l has no grandmaster yet")
     try:
@@ -57,17 +60,13 @@ def sample_from_fields(fields: dict[str, str], now, realtime_ns=time.time_ns) ->
     if ingress <= 0:
         raise PtpError("ptp4l has not received a Sync yet")
     before = realtime_ns()
-    local = now()
+    monotonic = monotonic_ns()
     after = realtime_ns()
-    local_minus_realtime = local - (before + after) // 2
-    # The offset was measured at the Sync's ingress, the node's clock against realtime now:
-    # the two clocks may have drifted apart in between.
-    drift = MAX_DRIFT_PPM * (after - ingress) // 1_000_000
-    return OffsetSample(local_ns=local - (after - ingress),
-                        ref_minus_local_ns=-(local_minus_realtime + master_offset),
-                        error_ns=int(path_delay) + (after - before) + int(drift) + 1,
+    local = local_at(monotonic - ((before + after) // 2 - ingress))
+    return OffsetSample(local_ns=local, ref_minus_local_ns=ingress - master_offset - local,
+                        error_ns=int(path_delay) + (after - before) + 1,
                         server=f"ptp:{fields.get('gmIdentity', '?')}")
 
 
-def query(uds: str, now, timeout_s: float = 1.0, domain: int = 0) -> OffsetSample:
-    return sample_from_fields(read_pmc(uds, timeout_s, domain), now)
+def query(uds: str, local_at, timeout_s: float = 1.0, domain: int = 0) -> OffsetSample:
+    return sample_from_fields(read_pmc(uds, timeout_s, domain), local_at)

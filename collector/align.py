@@ -111,6 +111,9 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
     def via_utc(s: NodeSources) -> dict[str, Bounds]:
         return {n: compose(b, links.get(n, utc_link)) for n, b in s.to_utc.items()}
 
+    def servers_disagree(s: NodeSources) -> bool:   # through the joint link, which had no majority
+        return "utc_servers_disagree" in utc_link.flags and any(n not in links for n in s.to_utc)
+
     models = {node: combine({**s.direct, **via_utc(s)}) for node, s in sources.items()}
     # Piggyback samples go through the peer's model; a chain edge -> gateway -> cloud needs
     # one round per hop.
@@ -132,6 +135,8 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
         s = sources[node]
         if not model.known and node in on_utc:
             model = utc_link.with_flags("wall_clock")
+            if "utc_servers_disagree" in utc_link.flags:
+                model = model.with_flags("utc_servers_disagree")
         if not model.known:
             out[node] = unknown(s.samples)
             continue
@@ -141,6 +146,8 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
         rejected = sorted(n for n in s.to_utc if f"falseticker:{n}" in utc_link.flags)
         if rejected:   # its server disagrees with the others on UTC: so may this node's UTC
             model = model.with_flags(*(f"utc_server_disagrees:{n}" for n in rejected))
+        if servers_disagree(s):
+            model = model.with_flags("utc_servers_disagree")
         out[node] = model
     return out
 
@@ -151,21 +158,27 @@ def _utc_links(sources, direct: dict[str, ClockModel], epoch_offset_ns: int) -> 
     them all, whose selection sets aside servers that disagree with the majority (flagged
     falseticker), for nodes whose servers no measured node uses. Each server has its own
     link: one server 50 ms off made a joint link zigzag between two values, and moved every
-    node that has NTP alone. Without any, the collector's own wall clock, with an assumed
-    bound."""
-    parts: dict[str, dict[str, Bounds]] = {}
+    node that has NTP alone. Where the servers have no majority, the joint link is the most
+    sampled server's (the first by name among equals), flagged utc_servers_disagree, as are
+    the nodes that go through it. Without any, the collector's own wall clock, with an
+    assumed bound."""
+    parts: dict[str, list[Bounds]] = {}
     for node, s in sources.items():
         if not s.to_utc or not direct[node].known:
             continue
         for server, bounds in s.to_utc.items():
             lo, hi = direct[node].bounds_at(bounds.t)
             utc_t = bounds.t - np.rint(bounds.mid).astype(np.int64)
-            parts.setdefault(server, {})[node] = Bounds(utc_t, lo - bounds.hi, utc_t.copy(), hi - bounds.lo)
-    links = {server: combine(by_node) for server, by_node in parts.items()}
+            parts.setdefault(server, []).append(Bounds(utc_t, lo - bounds.hi, utc_t.copy(), hi - bounds.lo))
+    bounds = {server: exchange.concat(p) for server, p in sorted(parts.items())}
+    links = {server: combine({server: b}) for server, b in bounds.items()}   # one fit each
     links = {server: link for server, link in links.items() if link.known}
-    joint = combine({server: exchange.concat(list(parts[server].values())) for server in links}) if links else unknown()
-    if not joint.known and links:   # no majority among the servers: the most sampled one, flagged
-        joint = max(links.values(), key=lambda link: link.samples).with_flags("utc_servers_disagree")
+    if len(links) == 1:
+        joint = next(iter(links.values()))
+    else:
+        joint = combine({server: bounds[server] for server in links}) if links else unknown()
+        if not joint.known and links:
+            joint = max(links.values(), key=lambda link: link.samples).with_flags("utc_servers_disagree")
     if joint.known:
         return links, joint
     return links, line(epoch_offset_ns, 0.0, 0, ASSUMED_COLLECTOR_UTC_ERROR_NS, flags=("utc_link_assumed",))
@@ -184,8 +197,10 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
         client, server = matches.rpc[:, 0], matches.rpc[:, 1]
         parts.append((client, False, server, False))    # the request leaves before it arrives
         parts.append((server, True, client, True))      # the reply leaves before it arrives
-    if len(matches.p2p):
-        parts.append((matches.p2p[:, 0], False, matches.p2p[:, 1], True))
+    if len(matches.p2p):   # a receive on a device ends when queued: no fact
+        on_host = np.array([_on_host(table.attributes[r], sc.P2P_DEVICE) for r in matches.p2p[:, 1].tolist()],
+                           dtype=bool)
+        parts.append((matches.p2p[on_host, 0], False, matches.p2p[on_host, 1], True))
     rows_a, rows_b = [], []
     # Each node once per instance (the rule): no instance needs _binding_members.
     scoped = matches.coll_instance.astype(np.int64) * max(len(table.nodes), 1) + table.node[matches.coll_rows]
@@ -226,7 +241,12 @@ def _ends_with_the_collective(attributes: dict | None) -> bool:
     """Whether a collective span ends when the collective has completed, as the facts need:
     not an async one (it ends when it was waited for), nor one on a device, which a
     synchronous call only queues (NCCL): a rank 50 ms late there moved a right clock 50 ms."""
-    return not attributes or not attributes.get(sc.COLL_ASYNC) and attributes.get(sc.COLL_DEVICE, "cpu") == "cpu"
+    return not attributes or not attributes.get(sc.COLL_ASYNC) and _on_host(attributes, sc.COLL_DEVICE)
+
+
+def _on_host(attributes: dict | None, device_key: str) -> bool:
+    """Whether a span's tensors were on the host (or it names no device: not torch's)."""
+    return not attributes or attributes.get(device_key, "cpu") == "cpu"
 
 
 def _binding_members(table: SpanTable, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -57,6 +57,7 @@ P2P_DST = "p2p.dst"
 P2P_TAG = "p2p.tag"
 P2P_SEQ = "p2p.seq"
 P2P_BYTES = "p2p.bytes"
+P2P_DEVICE = "p2p.device"   # as collective.device: a receive on a device ends when queued, not received
 
 # DDP gradient buckets (collective spans issued by the DDP comm hook).
 DDP_BUCKET = "ddp.bucket"

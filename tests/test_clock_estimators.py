@@ -335,22 +335,27 @@ def test_ntp_timestamps_are_read_to_the_ns():
 
 def test_pmc_fields_become_a_bounded_sample():
     from crosstrace.clock_sync.ptp import PtpError, sample_from_fields
+    from crosstrace.tracer.clock import Clock
     fields = {"master_offset": "250", "ingress_time": "1000000000000", "meanPathDelay": "3000.0",
               "gmPresent": "true", "gmIdentity": "aa.fffe.bb"}
     wall = iter([1_000_000_500_000, 1_000_000_500_100])
-    s = sample_from_fields(fields, now=lambda: 7_000_000, realtime_ns=lambda: next(wall))
-    # local - realtime = 7e6 - 1_000_000_500_050; the port is 250 ns ahead of the master.
-    assert s.ref_minus_local_ns == -((7_000_000 - 1_000_000_500_050) + 250)
-    assert s.local_ns == 7_000_000 - 500_100 and s.error_ns == 3000 + 100 + 500 + 1   # delay, read, drift
-    # A Sync 1 s old, on a clock 100 ppm fast against realtime: the bound covers the drift
-    # since (it was 601 ns, the truth 99,991 ns away).
-    ingress, local_now = 1_000_000_000_000, 5_000_000_000
+    s = sample_from_fields(fields, local_at=lambda t: t + 7_000_000, realtime_ns=lambda: next(wall),
+                           monotonic_ns=lambda: 5_000_000_000)
+    # The Sync came in 500,050 ns before the monotonic reading; the port is 250 ns ahead of the master.
+    local = 5_000_000_000 - 500_050 + 7_000_000
+    assert s.local_ns == local and s.ref_minus_local_ns == 1_000_000_000_000 - 250 - local
+    assert s.error_ns == 3000 + 100 + 1   # path delay, the reading's window
+    # A Sync 1 s old, on a clock 100 ppm fast: read at the ingress, not when pmc answered (the
+    # truth was 99,991 ns outside the bound).
+    clock = Clock(3_000_000, 100.0, epoch_ns=0)
+    ingress = 1_000_000_000_000
     wall = iter([ingress + 10**9, ingress + 10**9 + 100])
-    s = sample_from_fields({**fields, "master_offset": "0"}, now=lambda: local_now, realtime_ns=lambda: next(wall))
-    local_at_ingress = local_now - round((10**9 + 50) * (1 + 100e-6))
-    assert abs(s.ref_minus_local_ns - (ingress - local_at_ingress)) <= s.error_ns
+    s = sample_from_fields({**fields, "master_offset": "0"}, local_at=clock.at, realtime_ns=lambda: next(wall),
+                           monotonic_ns=lambda: 50 * 10**9)
+    local_at_ingress = clock.at(50 * 10**9 - 10**9 - 50)
+    assert abs(s.ref_minus_local_ns - (ingress - local_at_ingress)) <= s.error_ns < 3200
     with pytest.raises(PtpError):
-        sample_from_fields({**fields, "gmPresent": "false"}, now=lambda: 0)
+        sample_from_fields({**fields, "gmPresent": "false"}, local_at=lambda t: t)
 
 
 def test_thinning_many_bounds_stays_sound():
@@ -421,3 +426,7 @@ def test_one_wrong_ntp_server_moves_no_node_that_uses_another():
         assert np.all(lo <= truth[node] + 1) and np.all(truth[node] - 1 <= hi), node
     assert "utc_server_disagrees:ntp:bad" in models["b"].flags
     assert not any(f.startswith("utc") for node in "acde" for f in models[node].flags)
+    # Two servers and no majority: d cannot be placed by its own server, and says so.
+    two = fit_sources({node: sources[node] for node in "abd"}, epoch)
+    assert "utc_servers_disagree" in two["d"].flags
+    assert not any(f.startswith("utc") for node in "ab" for f in two[node].flags)

@@ -67,7 +67,7 @@ def ptp_slave_uds(tmp_path_factory):
         deadline = time.monotonic() + 30
         while True:
             try:
-                ptp.query(uds["slave"], time.monotonic_ns, timeout_s=2)
+                ptp.query(uds["slave"], lambda t: t, timeout_s=2)
                 break
             except ptp.PtpError as exc:
                 if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -99,7 +99,7 @@ def test_pmc_readings_bound_the_node_clock(ptp_slave_uds):
         return time.monotonic_ns() + offset
 
     for _ in range(5):
-        s = ptp.query(ptp_slave_uds, now)
+        s = ptp.query(ptp_slave_uds, lambda t: t + offset)
         # Both ptp4l run on this kernel's CLOCK_REALTIME: the master's time is the wall clock.
         true_local_minus_master, known_to = local_minus_wall(now)
         assert abs(-s.ref_minus_local_ns - true_local_minus_master) <= s.error_ns + known_to + 20_000
@@ -109,7 +109,7 @@ def test_pmc_readings_bound_the_node_clock(ptp_slave_uds):
 
 def test_a_missing_ptp4l_socket_is_a_clear_error(tmp_path):
     with pytest.raises(ptp.PtpError):
-        ptp.query(str(tmp_path / "nothing.sock"), time.monotonic_ns, timeout_s=2)
+        ptp.query(str(tmp_path / "nothing.sock"), lambda t: t, timeout_s=2)
 
 
 def test_tracer_ptp_samples_reach_the_model(collector, ptp_slave_uds):

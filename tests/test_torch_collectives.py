@@ -220,6 +220,7 @@ def test_collectives_and_p2p_join_across_ranks(world, collector):
     assert len(waited) == 4 * world and min(waited) >= 30e6
 
     pairs = check_p2p_pairs(rows)
+    assert {r["a"].get(sc.P2P_DEVICE) for pair in pairs for r in pair} == {"cpu"}
     per_step = 3 * world + (world == 2)  # send, isend, batch isend per rank; the any-source pair
     assert len(pairs) == 4 * per_step
     assert all(s["trace"] == r["trace"] for s, r in pairs)

@@ -191,7 +191,7 @@ class _SourceReader:
                     self._read(f"ntp {server}", pb.NTP, lambda s=server: ntp.query(s, self.clock.now))
             if self.cfg.ptp_uds and now >= next_ptp:
                 next_ptp = now + self.cfg.ptp_interval_s
-                self._read(f"ptp {self.cfg.ptp_uds}", pb.PTP, lambda: ptp.query(self.cfg.ptp_uds, self.clock.now))
+                self._read(f"ptp {self.cfg.ptp_uds}", pb.PTP, lambda: ptp.query(self.cfg.ptp_uds, self.clock.at))
             wait = min(t for t, on in ((next_ntp, bool(self.servers)), (next_ptp, bool(self.cfg.ptp_uds))) if on)
             self._stop.wait(max(0.05, wait - time.monotonic()))
 

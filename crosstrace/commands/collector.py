@@ -62,7 +62,10 @@ def run_args(args) -> int:
     upstream = None
     options = {}
     if args.forward_to:
-        split_host_port(args.forward_to.split("://", 1)[-1])   # a clear error now, not retries for ever
+        # A clear error now, not retries for ever: gRPC takes no http(s):// (TLS comes from CROSSTRACE_TLS_CA).
+        if "://" in args.forward_to.replace("dns:///", ""):
+            raise ValueError(f"--forward-to takes HOST:PORT, not a URL: {args.forward_to!r}")
+        split_host_port(args.forward_to)
         upstream, relay_clock = _upstream(args)
         clock = relay_clock.domain()
         options = {"forward": Relay(upstream.cfg.node_id, upstream, clock), "now": relay_clock.now, "clock": clock}

@@ -371,6 +371,9 @@ def _start_p2p(name: str, send: bool, pg, peer, tag: int, tensor):
         return None
     attributes = {sc.KIND: "send" if send else "recv", sc.P2P_GROUP: group, sc.P2P_SRC: src, sc.P2P_DST: dst,
                   sc.P2P_TAG: tag, sc.P2P_SEQ: seq, sc.P2P_BYTES: _nbytes(tensor)}
+    device = _device(tensor)
+    if device is not None:
+        attributes[sc.P2P_DEVICE] = device
     if extra:
         attributes.update(extra)
     return _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
