@@ -421,3 +421,34 @@ def test_explicit_times_keep_their_differences_exactly(provider, collector):
     assert t.extras[given]["events"][0][1] - t.start[given] == 1_234_567
     assert t.end[current] - t.start[current] == 1_000 and t.start[current] - t.start[given] == 7
     assert abs(t.start[given] - (time.monotonic_ns() - 5_000_000)) < 1_000_000_000   # on the monotonic clock
+
+
+def test_both_ways_to_start_a_span_queue_the_same_record():
+    """start_as_current_span's common case builds and ends its span inline (a Python call
+    less each way); its queued record must be start_span's + end()'s, field for field, and
+    a full queue must count both alike."""
+    from opentelemetry.trace import Link, SpanKind
+
+    from crosstrace.tracer.clock import Clock
+    from crosstrace.tracer.exporter import ExportQueue
+    from crosstrace.tracer.provider import Tracer
+
+    queue = ExportQueue(Clock(), max_queue=4, batch_size=100)
+    tracer = Tracer(queue, "t")
+    link = Link(trace.SpanContext(5, 6, False))
+    for kind, attributes, links in ((SpanKind.INTERNAL, None, None),
+                                    (SpanKind.SERVER, {"x": [1, 2], "crosstrace.kind": "compute"}, [link])):
+        with tracer.start_as_current_span("op", kind=kind, attributes=attributes, links=links):
+            pass
+        tracer.start_span("op", kind=kind, attributes=attributes, links=links).end()
+        columns = queue.take()
+        trace_ids, span_ids, parents, names, kinds, starts, ends, threads, extras, attrs = columns
+        assert len(names) == 2 and names[0] == names[1] and kinds[0] == kinds[1] and threads[0] == threads[1]
+        assert parents[0] == parents[1] and attrs[0] == attrs[1] and all(s <= e for s, e in zip(starts, ends))
+        assert (extras[0] is None) == (extras[1] is None)
+        assert extras[0] is None or list(extras[0].links) == list(extras[1].links)
+    for _ in range(3):
+        with tracer.start_as_current_span("op"):
+            pass
+        tracer.start_span("op").end()
+    assert len(queue.take()[0]) == 4 and queue.dropped == 2

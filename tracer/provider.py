@@ -88,11 +88,31 @@ class Tracer(trace_api.Tracer):
                               end_on_exit=True):
         """The span starts when the `with` is entered, under the context current then (as
         with OpenTelemetry's SDK), not when this is called."""
-        if (context is None and start_time is None and record_exception and set_status_on_exception
+        if not (context is None and start_time is None and record_exception and set_status_on_exception
                 and end_on_exit):
-            return self._start(ScopedSpan, name, _AT_ENTER, kind, attributes, links, None)
-        return CurrentSpan(self, (name, context, kind, attributes, links, start_time, record_exception,
-                                  set_status_on_exception), end_on_exit)
+            return CurrentSpan(self, (name, context, kind, attributes, links, start_time, record_exception,
+                                      set_status_on_exception), end_on_exit)
+        # The common case, a ScopedSpan, made here as _start makes a Span (keep the two alike):
+        # a Python call less per span. Its parent, thread and start are read when it is entered.
+        span = _new(ScopedSpan)
+        span._sink = self._queue
+        span.trace_id = span.parent_id = span.end_ns = 0
+        span.span_id = _random_bits(64) or _new_id(64)
+        span.name = name
+        span.kind = 0 if kind is _INTERNAL else _kind_code(kind)
+        span.extras = None
+        if attributes:
+            attributes = dict(attributes)
+            if KIND in attributes:
+                span.kind = KIND_BY_NAME.get(str(attributes.pop(KIND)).lower(), span.kind)
+            span.attributes = attributes
+        else:
+            span.attributes = None
+        if links:
+            links = [link for link in links if _recordable(link)]
+            if links:
+                span.extras = SpanExtras(links)
+        return span
 
     def span_starter(self):
         """start(name, context, kind, attributes) -> Span: start_span without the API's
@@ -102,30 +122,21 @@ class Tracer(trace_api.Tracer):
 
     def _start(self, cls, name, context, kind, attributes, links, start_time):
         """A span under the span current in `context` (None: the current context); a
-        NonRecordingSpan where that one is not sampled. With `context` _AT_ENTER (a
-        ScopedSpan), the parent and the start are read when the span is entered."""
+        NonRecordingSpan where that one is not sampled."""
         extras = None
-        if context is _AT_ENTER:
-            trace_id = parent_id = 0
+        parent = (_get_context() if context is None else context).get(_SPAN_KEY)
+        if parent is None:
+            trace_id, parent_id = _random_bits(128) or _new_id(128), 0
+        elif isinstance(parent, Span) and parent.extras is None:   # the common nesting, inline
+            trace_id, parent_id = parent.trace_id, parent.span_id
         else:
-            parent = (_get_context() if context is None else context).get(_SPAN_KEY)
-            if parent is None:
-                trace_id, parent_id = _random_bits(128) or _new_id(128), 0
-            elif isinstance(parent, Span) and parent.extras is None:   # the common nesting, inline
-                trace_id, parent_id = parent.trace_id, parent.span_id
-            else:
-                under = _under(parent)
-                if under is None:
-                    return trace_api.NonRecordingSpan(parent.get_span_context())
-                trace_id, parent_id, trace_state = under
-                if trace_state:
-                    extras = SpanExtras(trace_state=trace_state)
-        if kind is _INTERNAL:
-            code = 0
-        else:
-            code = _OTEL_KIND_BY_ID.get(id(kind))
-            if code is None:
-                code = int(kind)
+            under = _under(parent)
+            if under is None:
+                return trace_api.NonRecordingSpan(parent.get_span_context())
+            trace_id, parent_id, trace_state = under
+            if trace_state:
+                extras = SpanExtras(trace_state=trace_state)
+        code = 0 if kind is _INTERNAL else _kind_code(kind)
         if attributes:
             attributes = dict(attributes)
             if KIND in attributes:
@@ -146,8 +157,6 @@ class Tracer(trace_api.Tracer):
         span.attributes = attributes
         span.extras = extras
         span.end_ns = 0
-        if context is _AT_ENTER:   # a ScopedSpan: its thread and start are those of the `with`
-            return span
         thread = _get_ident()
         if _running_loop() is not None:
             thread = _task_lane(thread)
@@ -156,7 +165,10 @@ class Tracer(trace_api.Tracer):
         return span
 
 
-_AT_ENTER = object()   # Tracer._start's context for a ScopedSpan
+def _kind_code(kind) -> int:
+    """crosstrace's kind of an OpenTelemetry SpanKind (or of a crosstrace Kind given as one)."""
+    code = _OTEL_KIND_BY_ID.get(id(kind))
+    return int(kind) if code is None else code
 
 
 def _under(parent) -> tuple[int, int, object] | None:
@@ -256,10 +268,21 @@ class ScopedSpan(Span):
         except (ValueError, RuntimeError) as err:   # left in another context: see detach_quietly
             log.debug("crosstrace: could not leave a span's context: %s", err)
         self._token = None
-        if not self.end_ns:
-            if exc is not None and isinstance(exc, Exception):
-                self._raised(exc)
-            self.end()
+        if self.end_ns:
+            return
+        if exc is not None and isinstance(exc, Exception):
+            self._raised(exc)
+        # Span.end(), inlined (keep the two alike): a Python call less per span.
+        sink = self._sink
+        end = self.end_ns = sink.now()
+        queue = sink.queue
+        if len(queue) < sink.max_entries:
+            queue.extend((self.trace_id, self.span_id, self.parent_id, self.name, self.kind, self.start, end,
+                          self.thread, self.extras, self.attributes))
+            if len(queue) == sink.wake_at:
+                sink.wake()
+        else:
+            sink.dropped += 1
 
     def __call__(self, func):
         """Used as a decorator (`@tracer.start_as_current_span(...)`): each call gets a new

@@ -49,7 +49,7 @@ class Span:
         if self.end_ns:   # logged, as OpenTelemetry's SDK does: a warning could raise into the caller
             log.warning("crosstrace: span %r ended twice; the second end() is ignored", self.name)
             return
-        sink = self._sink
+        sink = self._sink   # ScopedSpan.__exit__ has a copy of what follows: keep the two alike
         end = self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
         queue = sink.queue
         if len(queue) < sink.max_entries:
