@@ -249,3 +249,35 @@ def test_processes_starting_together_each_get_their_spool(tmp_path):
             if proc.poll() is None:
                 proc.kill()
     assert failures == [0, 0, 0, 0]
+
+
+def test_a_relay_under_sync_full_puts_each_spooled_batch_on_disk(tmp_path, monkeypatch):
+    """`crosstrace collector --sync full --forward-to ...` promises an acked batch survives a
+    power loss; the batches it acked wait for upstream in its spool, which was never
+    fsynced. With fsync, the file and its folder are (the syscalls are watched, not faked)."""
+    from crosstrace.tracer.spool import Spool
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    for fsync in (False, True):
+        spool = Spool(str(tmp_path / str(fsync)), "relay", os.urandom(8), fsync=fsync)
+        item = spool.write(b"batch", seq=1, spans=3)
+        assert Spool.read(item) == b"batch"
+        spool.close()
+    assert synced == [str(tmp_path / "True" / "relay" / os.path.basename(os.path.dirname(item.path))
+                          / (os.path.basename(item.path) + ".tmp")), os.path.dirname(item.path)]
+    result = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    assert "per spooled batch in relay mode" in " ".join(result.stdout.split())
+    import argparse
+
+    from crosstrace.commands.collector import _upstream
+    for sync in ("normal", "full"):
+        args = argparse.Namespace(node_id="relay", forward_to="127.0.0.1:9", spool=str(tmp_path / sync),
+                                  store=str(tmp_path / "relay.db"), spool_max_mb=None, sync=sync)
+        exporter, _ = _upstream(args)
+        try:
+            assert exporter._spool.fsync == (sync == "full")
+        finally:
+            exporter.shutdown(0.5)

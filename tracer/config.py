@@ -48,6 +48,7 @@ class Config:
     # on reconnect, also by the next process that spools there. Empty: kept in memory only.
     spool_dir: str = ""
     spool_max_mb: int = 256
+    spool_fsync: bool = False   # each spooled batch on disk before it counts (survives a power loss)
     # Security: TLS to the collector (tls_ca: CA bundle that signed its certificate, else the
     # system's roots), a client certificate for mutual TLS, and a bearer token.
     tls: bool = False

@@ -152,7 +152,7 @@ class Exporter:
         if not self.cfg.spool_dir:
             return None
         try:
-            spool = Spool(self.cfg.spool_dir, self.cfg.node_id, self.session_id)
+            spool = Spool(self.cfg.spool_dir, self.cfg.node_id, self.session_id, self.cfg.spool_fsync)
             adopted = spool.adopt()
         except OSError as exc:
             log.warning("crosstrace: no spool in %s (%s); unacked batches are kept in memory only",

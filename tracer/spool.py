@@ -8,8 +8,9 @@ lock) and replays them, whatever its node id (the default one, `<host>/<pid>`, i
 every process). Every batch keeps its own (session_id, seq), so the collector's
 batch-level dedup stores nothing twice however often a batch is replayed.
 
-Files are not fsynced: like the collector's default store, a spooled batch survives the
-process being killed, not a power loss. The exporter decides what to keep when the spool
+Files are fsynced only with `fsync` (a relay under `--sync full`): like the collector's
+default store, a spooled batch otherwise survives the process being killed, not a power
+loss. The exporter decides what to keep when the spool
 is full (the oldest batch goes, its spans counted as dropped); this class only keeps the
 files and their sizes.
 """
@@ -43,8 +44,9 @@ class Spooled:
 
 
 class Spool:
-    def __init__(self, root: str, node_id: str, session_id: bytes):
+    def __init__(self, root: str, node_id: str, session_id: bytes, fsync: bool = False):
         self.root = root
+        self.fsync = fsync
         node_dir = os.path.join(root, _safe(node_id))
         self.dir = os.path.join(node_dir, session_id.hex())
         self.bytes = 0                  # of every batch this spool holds, own and adopted
@@ -70,7 +72,16 @@ class Spool:
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
+        if self.fsync:   # the rename too
+            folder = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
         with self._lock:
             self.bytes += len(data)
         return Spooled(path, seq, spans, len(data))

@@ -30,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--store", required=True, help="path of the store file (created if missing)")
     p.add_argument("--sync", choices=("normal", "full"), default="normal",
                    help="normal: an acked batch survives the collector being killed; full: also a "
-                        "power loss (an fsync per commit)")
+                        "power loss (an fsync per commit, and per spooled batch in relay mode)")
     p.add_argument("--max-streams", type=positive, default=1024,
                    help="concurrent calls served (default %(default)s); each tracer process holds one export "
                         "stream while it runs, and beyond this clients are told to retry")
@@ -86,7 +86,8 @@ def _upstream(args):
 
     node_id = args.node_id or os.environ.get("CROSSTRACE_NODE_ID") or f"{socket.gethostname()}/relay"
     cfg = Config.from_env(endpoint=args.forward_to, node_id=node_id, role="relay",
-                          spool_dir=args.spool or f"{args.store}.spool", spool_max_mb=args.spool_max_mb)
+                          spool_dir=args.spool or f"{args.store}.spool", spool_max_mb=args.spool_max_mb,
+                          spool_fsync=args.sync == "full" or None)   # acked batches wait there for upstream
     clock = Clock(cfg.sim_clock_offset_ns, cfg.sim_clock_drift_ppm, cfg.sim_clock_epoch_ns)
     exporter = Exporter(cfg, clock, ExportQueue(clock, cfg.max_queue, cfg.batch_size))
     return exporter, clock
