@@ -73,7 +73,8 @@ def resource_of(resource) -> "pb.Resource":
     rank = _int(rank, 1 << 31, -1)
     return pb.Resource(node_id=str(node), host=host, rank=rank,
                        world_size=0, local_rank=-1, role=str(attrs.get(sc.ROLE, "")),
-                       job_id=str(attrs.get(sc.JOB_ID, "")), pid=pid, service_name=service, labels=labels)
+                       job_id=str(attrs.get(sc.JOB_ID, "")), pid=pid, service_name=service, labels=labels,
+                       attributes_json=dumps(attrs))
 
 
 def _u64(raw: bytes, size: int) -> int:

@@ -43,7 +43,8 @@ def sdk_spans(endpoint: str, headers=None) -> list:
     copies (the truth: ids, times, attributes)."""
     memory = InMemorySpanExporter()
     provider = SdkProvider(resource=Resource.create({"service.name": "shop", "host.name": "till-1",
-                                                     "process.pid": 4242, "deployment.environment": "test"}))
+                                                     "process.pid": 4242, "deployment.environment": "test",
+                                                     "source": "till-app", "replicas": 3, "note": "n" * 300}))
     provider.add_span_processor(SimpleSpanProcessor(memory))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True, headers=headers,
                                                                     timeout=10)))
@@ -224,7 +225,9 @@ def test_export_otlp_sends_aligned_unix_times(collector):
                 assert abs(span.start_time_unix_nano - attrs["wall_ns"].int_value) < 20 * MS
             else:
                 assert attrs[sc.KIND].string_value == "compute"
-        else:
+        else:   # its resource as sent: types, its own `source` (crosstrace's label hid it), long values
+            assert (res["source"].string_value, res["replicas"].int_value, res["process.pid"].int_value,
+                    res["note"].string_value) == ("till-app", 3, 4242, "n" * 300)
             truth = sdk_truth[int(t.span_id[i])]
             assert abs(span.start_time_unix_nano - truth.start_time) < 1 * MS
             assert span.kind == _OTLP_KIND[truth.kind]   # the kind the SDK gave it, through the store and back

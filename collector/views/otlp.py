@@ -21,6 +21,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from ...proto import semconv as sc
 from ...proto.semconv import Kind
 from ..align import UNBOUNDED_NS
+from ..columns import loads
 from . import entries
 
 _OTEL_KIND = {kind: trace_pb2.Span.SpanKind.Value(f"SPAN_KIND_{name}") for name, kind in sc.OTEL_KINDS.items()}
@@ -65,6 +66,13 @@ def text(value) -> str:
 
 
 def resource(r) -> "resource_pb2.Resource":
+    """An OTLP sender's resource as it sent it (types, and its own `clock` or `source`,
+    which crosstrace's labels of the same names hid); a tracer's from its fields."""
+    if r.attributes_json:
+        attrs = loads(r.attributes_json)
+        if isinstance(attrs, dict):
+            attrs.setdefault(sc.NODE_ID, r.node_id)
+            return resource_pb2.Resource(attributes=key_values(attrs))
     attrs = {"service.name": r.service_name or r.node_id, sc.NODE_ID: r.node_id}
     for key, value in (("host.name", r.host), ("process.pid", r.pid), (sc.ROLE, r.role), (sc.JOB_ID, r.job_id)):
         if value:

@@ -42,7 +42,7 @@ NTP: ClockSource
 PTP: ClockSource
 
 class Resource(_message.Message):
-    __slots__ = ("node_id", "host", "rank", "world_size", "local_rank", "role", "job_id", "pid", "service_name", "labels")
+    __slots__ = ("node_id", "host", "rank", "world_size", "local_rank", "role", "job_id", "pid", "service_name", "labels", "attributes_json")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Resource(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_JSON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     host: str
     rank: int
@@ -70,7 +71,8 @@ class Resource(_message.Message):
     pid: int
     service_name: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., role: _Optional[str] = ..., job_id: _Optional[str] = ..., pid: _Optional[int] = ..., service_name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    attributes_json: bytes
+    def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., role: _Optional[str] = ..., job_id: _Optional[str] = ..., pid: _Optional[int] = ..., service_name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., attributes_json: _Optional[bytes] = ...) -> None: ...
 
 class ClockSample(_message.Message):
     __slots__ = ("source", "peer", "t1", "t2", "t3", "t4", "local_ns", "offset_ns", "error_ns", "server", "peer_clock")
