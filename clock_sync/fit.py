@@ -35,7 +35,7 @@ def fit(bounds: Bounds, source: str = "", max_drift_ppm: float = MAX_DRIFT_PPM,
     fitter = _Fitter(bounds, max_drift_ppm * 1000)
     t = bounds.t
     pieces: list[tuple[int, int, bool]] = []    # (first, end, is_bridge) index ranges
-    outliers = 0
+    outliers = steps = 0
     start, poly, k = 0, fitter.polygon(0, 1), 1
     while k < n:
         if t[k] - t[start] > window_ns:
@@ -56,6 +56,7 @@ def fit(bounds: Bounds, source: str = "", max_drift_ppm: float = MAX_DRIFT_PPM,
             fitter.drop(k)
             k += 1
             continue
+        steps += 1
         first_after = fitter.reach_back(start, k)
         pieces.append((start, first_after, False))
         if first_after < k:
@@ -66,6 +67,8 @@ def fit(bounds: Bounds, source: str = "", max_drift_ppm: float = MAX_DRIFT_PPM,
     flags = []
     if outliers:
         flags.append(f"outliers:{outliers}")
+    if steps:   # the clock stepped, or its drift changed: where no one line fits both sides
+        flags.append(f"steps:{steps}")
     if n < n_all:
         flags.append(f"invalid_samples:{n_all - n}")
     if len(segments) > 1:

@@ -167,13 +167,15 @@ class OtlpService:
                         batch, left_out = to_batch(resource_spans)
                     except Exception as exc:   # a value nothing reads
                         raise BadBatch(f"unreadable ResourceSpans: {exc!r}") from None
-                    batches.append(batch)
+                    if batch.count:
+                        batches.append(batch)
                     rejected.update(left_out)
-                if rejected:
-                    self.service.count_rejects(rejected)
+                left_out = collections.Counter(rejected)
                 for batch in batches:
                     checked, _ = self.service.ingest(batch)
                     rejected.update(checked.rejected)
+                if left_out:   # counted once the request is kept: a retried one was counted again
+                    self.service.count_rejects(left_out)
         except BadBatch as exc:
             self.service.refuse(exc, context)
         except StoreUnavailable as exc:   # not kept: the sender retries

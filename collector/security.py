@@ -2,15 +2,14 @@
 for mutual TLS) and bearer tokens, one per client.
 
 Tokens file: one client per line, `NAME TOKEN`, or a bare `TOKEN` (named after its line);
-blank lines and comments (`#` at the start of a line or after a space) are skipped: a `#`
-inside a token is part of it. A client sends `authorization: Bearer TOKEN`
+blank lines, lines that begin with `#`, and text after the second field that begins with
+`#` are comments: a `#` in a token, at its start too, is part of it. A client sends `authorization: Bearer TOKEN`
 (the tracer's CROSSTRACE_TOKEN; any OpenTelemetry exporter's headers option). Every token
 is compared in constant time, all of them on every call, so the answer's timing says
 nothing about which token came close. A call without a valid token is refused with
 UNAUTHENTICATED before any handler runs: it stores nothing.
 """
 import hmac
-import re
 import ssl
 
 import grpc
@@ -19,7 +18,6 @@ from ..proto.endpoint import is_loopback, split_host_port
 
 AUTH_KEY = "authorization"
 _BEARER = "bearer "
-_COMMENT = re.compile(r"(?:^|\s)#")
 
 
 class SecurityConfigError(ValueError):
@@ -41,10 +39,11 @@ def load_tokens(path: str) -> dict[str, bytes]:
     """client name -> token, from a tokens file (see the module docstring)."""
     tokens: dict[str, bytes] = {}
     for number, line in enumerate(_read(path, "tokens file").decode("utf-8", "replace").splitlines(), 1):
-        line = _COMMENT.split(line, 1)[0].strip()
-        if not line:
-            continue
         fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        comment = next((i for i, field in enumerate(fields[2:], 2) if field.startswith("#")), None)
+        fields = fields[:comment]
         if len(fields) > 2:
             raise SecurityConfigError(f"{path}:{number}: expected `NAME TOKEN` or `TOKEN`")
         name, token = (fields[0], fields[1]) if len(fields) == 2 else (f"line{number}", fields[0])

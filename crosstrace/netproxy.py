@@ -101,15 +101,19 @@ class _Pipe:
             self.conn.pipe_done()
 
     def _send(self, data: bytes) -> None:
-        """All of `data`, however long the receiver takes to read: a send that times out (its
-        buffer full for _POLL_S) is tried again. sendall() under the timeout took a busy
-        receiver for a lost peer, cut the stream and passed a clean EOF on."""
-        view, stop = memoryview(data), self.conn.proxy._stop
-        while view and not stop.is_set():
+        """All of `data`, however long the receiver takes to read, up to the proxy's stall_s
+        without progress (then the connection ends, as TCP's own timeouts would end it): a send that
+        times out (its buffer full for _POLL_S) is tried again. sendall() under the timeout
+        took a busy receiver for a lost peer, cut the stream and passed a clean EOF on."""
+        view, proxy = memoryview(data), self.conn.proxy
+        progress = time.monotonic()
+        while view and not proxy._stop.is_set():
             try:
                 view = view[self.dst.send(view):]
+                progress = time.monotonic()
             except socket.timeout:
-                continue
+                if time.monotonic() - progress > proxy.stall_s:
+                    raise OSError(f"the receiver read nothing for {proxy.stall_s:g} s") from None
 
 
 class _Connection:
@@ -151,12 +155,14 @@ class DelayProxy:
     """Listen on `listen`, forward each connection to `upstream` with the given delays."""
 
     def __init__(self, upstream: str, up_ms: float = 0.0, down_ms: float = 0.0, jitter_ms: float = 0.0,
-                 listen: str = "127.0.0.1:0", seed: int | None = None, connect_timeout_s: float = 5.0):
+                 listen: str = "127.0.0.1:0", seed: int | None = None, connect_timeout_s: float = 5.0,
+                 stall_s: float = 30.0):
         if min(up_ms, down_ms, jitter_ms) < 0:
             raise ValueError("delays and jitter must not be negative")
         self.upstream = split_host_port(upstream)
         self.up_s, self.down_s, self.jitter_s = up_ms / 1000, down_ms / 1000, jitter_ms / 1000
         self.connect_timeout_s = connect_timeout_s
+        self.stall_s = stall_s   # a receiver that reads nothing this long ends its connection
         self._random = random.Random(seed)
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -426,6 +426,14 @@ def test_one_wrong_ntp_server_moves_no_node_that_uses_another():
         assert np.all(lo <= truth[node] + 1) and np.all(truth[node] - 1 <= hi), node
     assert "utc_server_disagrees:ntp:bad" in models["b"].flags
     assert not any(f.startswith("utc") for node in "acde" for f in models[node].flags)
+    # One server name that answers b 50 ms off (pool.ntp.org is another server on another
+    # node): the link selects among the nodes, and c, which has NTP alone, stays right.
+    shifts = {"a": 0.3, "b": 0.7, "c": 1.1, "e": 0.5}
+    pool = {node: NodeSources(sources[node].direct, ntp(node, "ntp:pool", 50e6 if node == "b" else 0.0, shift), {})
+            for node, shift in shifts.items()}
+    for node, model in fit_sources(pool, epoch).items():
+        lo, hi = model.bounds_at(np.rint(r + truth[node]).astype(np.int64))
+        assert np.all(lo <= truth[node] + 1) and np.all(truth[node] - 1 <= hi), node
     # Two servers and no majority: d cannot be placed by its own server, and says so.
     two = fit_sources({node: sources[node] for node in "abd"}, epoch)
     assert "utc_servers_disagree" in two["d"].flags

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from crosstrace.launch import wait_until
 from crosstrace.netproxy import DelayProxy
 
 
@@ -140,6 +141,26 @@ def test_a_receiver_that_pauses_gets_every_byte():
         client.close()
     server.close()
     assert len(got["data"]) == len(data) and got["data"] == data
+
+
+def test_a_receiver_that_never_reads_ends_its_connection():
+    """After stall_s without progress the connection ends, and its threads with it (they
+    stayed until the proxy stopped)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    with DelayProxy(f"127.0.0.1:{server.getsockname()[1]}", stall_s=1.0) as proxy:
+        client = connect(proxy)
+        upstream, _ = server.accept()      # never reads
+        def send():
+            try:
+                client.sendall(os.urandom(1 << 20) * 32)
+            except OSError:   # the proxy ended the connection: what this test waits for
+                pass
+
+        threading.Thread(target=send, daemon=True).start()
+        assert wait_until(lambda: not any(t.name.startswith("delayproxy-0") for t in threading.enumerate()), 20)
+        client.close()
+        upstream.close()
+    server.close()
 
 
 def iter_recv(sock):

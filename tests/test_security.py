@@ -202,5 +202,7 @@ def test_a_hash_inside_a_token_is_part_of_it(tmp_path):
     """`#` started a comment anywhere in a line: `edge abcdefghijklmnop#qrstuv` loaded the
     prefix, which was then the token accepted, and the full one refused."""
     path = tmp_path / "tokens"
-    path.write_text("# clients\nedge abcdefghijklmnop#qrstuv  # the camera\n  # indented comment\n")
-    assert load_tokens(str(path)) == {"edge": b"abcdefghijklmnop#qrstuv"}
+    path.write_text("# clients\nedge abcdefghijklmnop#qrstuv  # the camera\n  # indented comment\n"
+                    "training-cluster-east #Zx9q2LmP7vR4tK8w\n")
+    assert load_tokens(str(path)) == {"edge": b"abcdefghijklmnop#qrstuv",
+                                      "training-cluster-east": b"#Zx9q2LmP7vR4tK8w"}

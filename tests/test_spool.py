@@ -265,8 +265,9 @@ def test_a_relay_under_sync_full_puts_each_spooled_batch_on_disk(tmp_path, monke
         item = spool.write(b"batch", seq=1, spans=3)
         assert Spool.read(item) == b"batch"
         spool.close()
-    assert synced == [str(tmp_path / "True" / "relay" / os.path.basename(os.path.dirname(item.path))
-                          / (os.path.basename(item.path) + ".tmp")), os.path.dirname(item.path)]
+    folder = os.path.dirname(item.path)
+    assert synced == [os.path.dirname(folder), str(tmp_path / "True"),              # at start
+                      os.path.join(folder, os.path.basename(item.path) + ".tmp"), folder]
     result = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--help"], capture_output=True,
                             text=True, timeout=60)
     assert "per spooled batch in relay mode" in " ".join(result.stdout.split())

@@ -187,15 +187,17 @@ def test_tracer_never_blocks_when_the_collector_is_unreachable():
 
 def test_a_process_that_exits_with_spans_unsent_says_so():
     """Without a collector a job exited 0 and quietly lost its spans."""
-    out = run_python("""
-        import crosstrace
-        p = crosstrace.init(endpoint="127.0.0.1:9", exit_flush_timeout_s=0.5)
-        t = p.get_tracer("t")
-        for i in range(10):
-            with t.start_as_current_span("step"):
-                pass
-    """)
-    assert "exiting with 10 spans the collector at 127.0.0.1:9 has not acknowledged: lost" in out.stderr
+    for own_shutdown in ("", "assert p.shutdown(500) is False"):   # the program's own shutdown() too
+        out = run_python(f"""
+            import crosstrace
+            p = crosstrace.init(endpoint="127.0.0.1:9", exit_flush_timeout_s=0.5)
+            t = p.get_tracer("t")
+            for i in range(10):
+                with t.start_as_current_span("step"):
+                    pass
+            {own_shutdown}
+        """)
+        assert "exiting with 10 spans the collector at 127.0.0.1:9 has not acknowledged: lost" in out.stderr
 
 
 def test_spans_ended_on_other_threads_arrive(collector):

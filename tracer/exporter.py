@@ -194,11 +194,12 @@ class Exporter:
                 return False
         return flushed
 
-    def unacked_spans(self) -> int:
-        """Spans batched and not acked yet, and spans still queued."""
+    def unacked_spans(self) -> tuple[int, int]:
+        """Spans not acked yet: (on disk in the spool, only in memory or still queued)."""
         with self._lock:
+            spooled = sum(entry.spans for entry in self._unacked.values() if entry.spooled is not None)
             batched = sum(entry.spans for entry in self._unacked.values())
-        return batched + len(self.queue.queue) // FIELDS
+        return spooled, batched - spooled + len(self.queue.queue) // FIELDS
 
     def restart_after_fork(self) -> "Exporter":
         """In a forked child (a DataLoader worker): a new session, stream and thread. The

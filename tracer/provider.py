@@ -362,6 +362,7 @@ class TracerProvider(trace_api.TracerProvider):
         self._queue = ExportQueue(self.clock, cfg.max_queue, cfg.batch_size)
         self._exporter = None if cfg.disabled else Exporter(cfg, self.clock, self._queue)
         self._shutdown = False
+        self._flushed = True
         self._lock = threading.Lock()
         me = weakref.ref(self)
         atexit.register(_exit_hook, me)
@@ -403,16 +404,16 @@ class TracerProvider(trace_api.TracerProvider):
         """Flush what is queued (bounded by `timeout_millis`, default the exit timeout), then stop."""
         with self._lock:
             if self._shutdown:
-                return True
+                return self._flushed   # what the first shutdown found
             self._shutdown = True
         if self._exporter is None:
             return True
         timeout = self.config.exit_flush_timeout_s if timeout_millis is None else timeout_millis / 1000
-        flushed = self._exporter.shutdown(timeout)
+        self._flushed = self._exporter.shutdown(timeout)
         # Tracers, channels and servers bound before keep ending spans; nothing would take
         # them out of the queue any more: they are dropped (and counted) from now on.
         self._queue.max_entries = 0
-        return flushed
+        return self._flushed
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
@@ -426,13 +427,15 @@ def _exit_hook(ref) -> None:
     exited quietly, its spans lost."""
     provider = ref()
     if provider is None or provider.shutdown() or provider._exporter is None:
-        return
-    left = provider._exporter.unacked_spans()
-    if left:
-        cfg = provider.config
-        where = f"kept in {cfg.spool_dir} for the next process there" if cfg.spool_dir else "lost"
-        log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged: %s",
-                    left, cfg.endpoint, where)
+        return   # (a shutdown() of the program's own that failed is reported here too)
+    spooled, lost = provider._exporter.unacked_spans()
+    cfg = provider.config
+    if spooled:
+        log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged, kept in %s "
+                    "for the next process there", spooled, cfg.endpoint, cfg.spool_dir)
+    if lost:
+        log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged: lost",
+                    lost, cfg.endpoint)
 
 
 def _after_fork(ref) -> None:

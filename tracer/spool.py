@@ -26,6 +26,14 @@ _BATCH = re.compile(r"^(\d+)-(\d+)-(\d+)\.batch$")
 _LOCK = "lock"
 
 
+def _fsync_dir(path: str) -> None:
+    folder = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
 def _safe(name: str) -> str:
     """A node id as one folder name."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
@@ -61,6 +69,9 @@ class Spool:
             raise OSError(f"spool folder {making} is locked by another process")
         os.replace(making, self.dir)
         self._held[self.dir] = self._held.pop(making)
+        if fsync:   # the folders too: a batch fsynced into a folder that a power loss takes is lost
+            for folder in (node_dir, root):
+                _fsync_dir(folder)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -77,11 +88,7 @@ class Spool:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         if self.fsync:   # the rename too
-            folder = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(folder)
-            finally:
-                os.close(folder)
+            _fsync_dir(self.dir)
         with self._lock:
             self.bytes += len(data)
         return Spooled(path, seq, spans, len(data))
