@@ -35,7 +35,6 @@ from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_sample
 from .encode import FIELDS, batches, encode_spans, encoded_size
-from .span import THREAD_IDS
 from .spool import Spool
 
 log = logging.getLogger("crosstrace.tracer")
@@ -246,8 +245,6 @@ class Exporter:
             stopping = self._stopping
             with self._lock:
                 flushes, self._pending_flushes = self._pending_flushes, []
-            if len(THREAD_IDS) > 4096:
-                THREAD_IDS.clear()
             if not stopping:
                 try:
                     self._prober.probe_if_due()

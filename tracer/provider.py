@@ -22,13 +22,13 @@ from ..proto.semconv import KIND, KIND_BY_NAME
 from .clock import Clock
 from .config import Config
 from .exporter import Exporter, ExportQueue
-from .span import OTEL_KIND, THREAD_IDS, Span, SpanExtras, log
+from .span import OTEL_KIND, Span, SpanExtras, log
 
 _random_bits = random.getrandbits
 _new = object.__new__
 _get_ident = threading.get_ident
 _running_loop = asyncio._get_running_loop   # None, without raising, outside an event loop
-_intern_thread = THREAD_IDS.setdefault
+_set_item = dict.__setitem__   # into a new Context, which refuses item assignment of its own
 
 
 def _task_lane(thread: int) -> int:
@@ -160,7 +160,7 @@ class Tracer(trace_api.Tracer):
         thread = _get_ident()
         if _running_loop() is not None:
             thread = _task_lane(thread)
-        span.thread = _intern_thread(thread, thread)
+        span.thread = thread
         span.start = self._now() if start_time is None else self._queue.clock.from_epoch_ns(start_time)
         return span
 
@@ -200,7 +200,7 @@ def context_with(span, parent: Context) -> Context:
     do) is not copied at all: `span` replaces it, and a copy costs 60-130 ns more than a
     new Context."""
     ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
-    dict.__setitem__(ctx, _SPAN_KEY, span)
+    _set_item(ctx, _SPAN_KEY, span)
     return ctx
 
 
@@ -253,12 +253,12 @@ class ScopedSpan(Span):
                 self._extras().trace_state = trace_state
         # context_with(self, parent), inlined: the call costs ~330 instructions per span
         ctx = Context() if not parent or (len(parent) == 1 and _SPAN_KEY in parent) else Context(parent)
-        dict.__setitem__(ctx, _SPAN_KEY, self)
+        _set_item(ctx, _SPAN_KEY, self)
         self._token = _attach(ctx)
         thread = _get_ident()
         if _running_loop() is not None:
             thread = _task_lane(thread)
-        self.thread = _intern_thread(thread, thread)
+        self.thread = thread
         self.start = self._sink.now()
         return self
 

@@ -64,7 +64,7 @@ from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
 from ..provider import TracerProvider, current_context
-from ..span import THREAD_IDS, Span
+from ..span import Span
 from ..step import active_step, run_id, shared_root
 
 AVAILABLE = dist.is_available()
@@ -1022,7 +1022,7 @@ class BucketTracer:
                                          start_time=None if ours else issued)
         if ours and isinstance(span, Span):
             span.start = issued
-            span.thread = THREAD_IDS.setdefault(bucket.thread, bucket.thread)   # the issuing thread's
+            span.thread = bucket.thread   # the issuing thread's
         error = bucket.error
         if error is None and bucket.future is not None:
             try:
