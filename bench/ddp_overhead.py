@@ -25,6 +25,10 @@ It is measured apart: the CPU time of those threads over the run, against the ra
 CPU time, is printed as a share to add to both traced ratios (an upper bound: a part of it
 is already inside them). The collector runs on the same two cores here, unlike a real job.
 
+The ranks' CPU time per step (all four, every thread, per block, paired per round) is
+printed too: waiting for the scheduler does not count in it, so it resolves what tracing
+costs where wall time on two cores cannot, though it is not the step time the targets name.
+
     python bench/ddp_overhead.py [--rounds R] [--steps S] [--hidden H]
 """
 import argparse
@@ -94,6 +98,7 @@ def worker(args) -> None:
             crosstrace.uninstrument_ddp(model)
 
     times = {mode: [] for mode in modes}  # per round: the step times of that round's block
+    cpu = {mode: [] for mode in modes}    # per round: this rank's CPU seconds per step in that block
     for mode in modes:  # warm up: DDP rebuilds its buckets after the first iterations
         switch(mode)
         for _ in range(3):
@@ -103,18 +108,23 @@ def worker(args) -> None:
         for mode in order.sample(list(modes), len(modes)):
             switch(mode)
             block = []
+            c0 = time.process_time()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 modes[mode]()
                 block.append(time.perf_counter() - t0)
+            cpu[mode].append((time.process_time() - c0) / args.steps)
             times[mode].append(block)
     flushed = provider.force_flush(60_000)
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, thread_cpu())
+    cpus = [None] * dist.get_world_size()
+    dist.all_gather_object(cpus, cpu)
     dist.destroy_process_group()
     if rank == 0:
         background = sum(b for b, _ in shares) / sum(total for _, total in shares)
-        print(json.dumps({"times": times, "flushed": flushed, "dropped": provider.dropped_spans,
+        ranks_cpu = {mode: [sum(per_rank) for per_rank in zip(*(c[mode] for c in cpus))] for mode in modes}
+        print(json.dumps({"times": times, "cpu": ranks_cpu, "flushed": flushed, "dropped": provider.dropped_spans,
                           "background": background}))
 
 
@@ -252,6 +262,18 @@ def main() -> None:
           + ", ".join(f"{mode} {added_us(mode):+.0f} us" for mode in ("untraced 2", "every step", "every 10th"))
           + f"; against the {args.world}-rank untraced step: every step {1 + added_us('every step') / untraced_us:.4f}, "
           f"every 10th {1 + added_us('every 10th') / untraced_us:.4f}")
+    cpu = result["cpu"]
+
+    def cpu_ratio(mode: str) -> tuple[float, float, float]:
+        """All ranks' CPU seconds per step in the mode's block against the untraced block's,
+        paired per round: median and middle half."""
+        ratios = [a / b for a, b in zip(cpu[mode], cpu["untraced"])]
+        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        return median, q1, q3
+
+    print(f"{args.world} ranks' CPU time per step, paired per round (scheduling does not count): "
+          + ", ".join("{} {:.4f} ({:.3f}-{:.3f})".format(mode, *cpu_ratio(mode))
+                      for mode in ("untraced 2", "every step", "every 10th")))
     print(f"export threads' share of the ranks' CPU time: {result['background']:.4f}   (add to both traced "
           "ratios at most; see the docstring)")
     print(f"all spans acked by the collector: {result['flushed']}, dropped: {result['dropped']}")
