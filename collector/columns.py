@@ -115,6 +115,16 @@ def too_deep(attributes: list, extras: dict[int, dict]) -> np.ndarray:
     return bad
 
 
+def check_object(data: bytes, what: str) -> None:
+    """BadBatch unless `data` is a JSON object nested at most MAX_NESTING deep."""
+    try:
+        value = loads(data)
+    except ValueError as exc:
+        raise BadBatch(f"{what} is not valid JSON: {exc}") from None
+    if type(value) is not dict or _nesting(value) > MAX_NESTING:
+        raise BadBatch(f"{what} must be a JSON object at most {MAX_NESTING} levels deep")
+
+
 def _nesting(value) -> int:
     """How deep lists and objects nest in `value` (without recursion)."""
     deepest, stack = 0, [(value, 1)]

@@ -30,7 +30,9 @@ def span_keys(trace_hi: np.ndarray, trace_lo: np.ndarray, span_id: np.ndarray) -
 
 
 class RecentKeys:
-    """Sorted runs of keys, oldest first; sizes grow towards the oldest (binary counter)."""
+    """Sorted runs of keys, oldest first; sizes grow towards the oldest (binary counter), up
+    to a quarter of the capacity each: forgetting the oldest run then keeps at least three
+    quarters of the window (with one run of everything, it kept only the newest batch)."""
 
     def __init__(self, capacity: int = 8_000_000):
         self.capacity = capacity
@@ -51,7 +53,8 @@ class RecentKeys:
         if not len(keys):
             return
         run = np.sort(keys)
-        while self.runs and len(self.runs[-1]) <= len(run):
+        most = max(self.capacity // 4, len(run))
+        while self.runs and len(self.runs[-1]) <= len(run) and len(self.runs[-1]) + len(run) <= most:
             run = np.sort(np.concatenate([self.runs.pop(), run]), kind="stable")
         self.runs.append(run)
         while len(self) > self.capacity and len(self.runs) > 1:

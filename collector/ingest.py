@@ -12,7 +12,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from ..proto import pb
-from .columns import BadBatch, parse_json_columns, too_deep, view
+from .columns import BadBatch, check_object, parse_json_columns, too_deep, view
 
 MAX_SPANS_PER_BATCH = 1 << 20
 MAX_INT64 = (1 << 63) - 1
@@ -61,6 +61,8 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
         raise TooLarge(f"batch seq={batch.seq} holds {batch.count} spans; at most {MAX_SPANS_PER_BATCH} per batch")
     if batch.seq > MAX_INT64 or batch.dropped_spans > MAX_INT64:   # the store keeps them as SQLite integers
         raise BadBatch(f"batch seq={batch.seq}, dropped_spans={batch.dropped_spans}: at most {MAX_INT64}")
+    if batch.resource.attributes_json:   # read back by every OTLP export: one that breaks breaks them all
+        check_object(batch.resource.attributes_json, "resource.attributes_json")
     cols = view(batch)
     attributes, extras = parse_json_columns(batch)
     start, end = cols["start_ns"], cols["end_ns"]

@@ -13,6 +13,7 @@ checked against the window of recently stored spans (collector/dedup.py).
 """
 import collections
 import dataclasses
+import fcntl
 import itertools
 import os
 import sqlite3
@@ -67,6 +68,26 @@ CREATE TABLE IF NOT EXISTS collector_clocks (
 class WriteResult:
     accepted: int
     duplicates: int
+    resent: bool = False   # a batch stored before (its session and seq): its rejects were counted then
+
+
+def _take_writer_lock(path: str) -> int:
+    """One writer per store: two collectors on one store each kept their own window of
+    recent spans, and stored a span that came to both twice (and two creating a store at
+    once failed on SQLite's lock). The lock is `<store>.lock`'s flock, released with the
+    process however it ends; readers take none."""
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        folder = os.path.dirname(os.path.abspath(path))
+        why = f"{folder} is not writable" if not os.access(folder, os.W_OK) else exc.strerror
+        raise ValueError(f"cannot open the store {path}: no lock file {path}.lock ({why})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"the store {path} is in use by another collector ({path}.lock is held)") from None
+    return fd
 
 
 def _readonly_uri(path: str) -> str:
@@ -102,6 +123,7 @@ class Store:
         if not readonly:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._lock = threading.Lock()
+        self._writer_lock = None
         self._node_ids: dict[tuple[str, str], tuple[int, str]] = {}   # (node id, clock) -> (row, name)
         self.recent = RecentKeys(window)
         self.now = now
@@ -109,12 +131,17 @@ class Store:
         self.shift_ns = 0
         self._shifts: dict[str, int] = {}      # collector clock -> its shift onto the timeline
         try:
-            self._open(sync)
-            if not readonly:
-                self.now = self._timeline(now, self.clock)
-                self._load_recent_keys()
-        except sqlite3.DatabaseError as exc:    # OperationalError too (a full disk, say)
-            raise ValueError(self._cannot_open(exc)) from None
+            try:
+                self._open(sync)
+                if not readonly:
+                    self.now = self._timeline(now, self.clock)
+                    self._load_recent_keys()
+            except sqlite3.DatabaseError as exc:    # OperationalError too (a full disk, say)
+                raise ValueError(self._cannot_open(exc)) from None
+        except BaseException:
+            if self._writer_lock is not None:
+                os.close(self._writer_lock)
+            raise
 
     def _open(self, sync: str) -> None:
         if self.readonly:
@@ -122,6 +149,7 @@ class Store:
                                       isolation_level=None)
             self._check_kind()
         else:
+            self._writer_lock = _take_writer_lock(self.path)
             self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._check_kind()
             # Large pages for a store of large segment blobs: a 660 KB segment commits in 1.2 ms
@@ -149,6 +177,8 @@ class Store:
                 raise ValueError(f"{self.path} is empty, not a crosstrace store")
             return
         version = self.meta("schema_version")
+        if version is None and not self.readonly and not self.db.execute("SELECT 1 FROM segments LIMIT 1").fetchone():
+            return   # made by a collector that died before writing its first row: begun again
         if version != str(SCHEMA_VERSION):
             raise ValueError(f"store {self.path} has schema version {version}; this crosstrace "
                              f"reads version {SCHEMA_VERSION}")
@@ -164,6 +194,9 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+        if self._writer_lock is not None:
+            os.close(self._writer_lock)
+            self._writer_lock = None
 
     def __enter__(self) -> "Store":
         return self
@@ -223,8 +256,9 @@ class Store:
             try:
                 results = [self._write_one(b, now) for b in batches]
                 rejects = collections.Counter(rejected_whole or {})
-                for b in batches:
-                    rejects.update(b.rejected)
+                for b, result in zip(batches, results):
+                    if not result.resent:
+                        rejects.update(b.rejected)
                 if rejects:
                     db.executemany("INSERT INTO rejects VALUES (?, ?) ON CONFLICT(reason) "
                                    "DO UPDATE SET count = count + excluded.count", rejects.items())
@@ -292,7 +326,7 @@ class Store:
             seen = db.execute("SELECT accepted, duplicates FROM batches WHERE session_id = ? AND seq = ?",
                               (batch.session_id, batch.seq)).fetchone()
             if seen is not None:  # a resend: everything in it is stored already
-                return WriteResult(0, seen[0] + seen[1])
+                return WriteResult(0, seen[0] + seen[1], resent=True)
         node = self._node(batch.resource, now)
         if batch.session_id:
             db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "

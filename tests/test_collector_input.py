@@ -438,3 +438,69 @@ def test_exchanges_are_placed_by_the_collector_clock_that_answered_them(tmp_path
     finally:
         later.close()
     assert shifted == {1: 0, 2: later.shift_ns, 3: later.shift_ns}   # the last: a tracer that did not say
+
+
+def test_a_resent_batch_counts_its_rejects_once(collector):
+    """A batch resent after a lost ack (a spool's replay) is stored once; its rejected spans
+    were counted again with every resend, in the store, the collector's stats and the ack."""
+    data = batch(10, span_id=np.r_[0, np.arange(2, 11)].astype("<u8")).SerializeToString()   # one invalid id
+    acks, err = export(collector.address, [data, data])
+    again, err_again = export(collector.address, [data])
+    assert err is None and err_again is None
+    assert [dict(a.rejected) for a in acks + again] == [{"invalid_span_id": 1}, {}, {}]
+    assert [a.accepted for a in acks + again] == [9, 0, 0]
+    assert rejects(collector) == {"invalid_span_id": 1}
+
+
+def test_resource_attributes_no_export_could_read_are_refused(collector):
+    """Every OTLP export of the store reads a resource's attributes_json: one batch whose
+    JSON was broken made them all fail."""
+    for bad in (b"{not json", b"[1, 2]", b'{"a": ' + b"[" * 600 + b"]" * 600 + b"}"):
+        b = batch(1)
+        b.resource.attributes_json = bad
+        acks, err = export(collector.address, [b.SerializeToString()])
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, bad[:20]
+        assert "resource.attributes_json" in err.details()
+    good = batch(1)
+    good.resource.attributes_json = b'{"service.name": "cam", "replicas": 3}'
+    acks, err = export(collector.address, [good.SerializeToString()])
+    assert err is None and acks[0].accepted == 1
+
+
+def test_the_dedup_window_forgets_a_quarter_at_most():
+    """Runs merged like a binary counter became one run of everything; forgetting it left
+    only the newest batch in the window, and a span resent a batch later was stored twice."""
+    from crosstrace.collector.dedup import RecentKeys
+
+    window, keys = RecentKeys(capacity=4000), np.arange(1, 400 * 31 + 1, dtype=np.uint64)
+    for k in range(400):
+        window.add(keys[31 * k:31 * (k + 1)])
+        seen = keys[:31 * (k + 1)]
+        assert len(window) >= min(len(seen), 3000)
+        assert window.contains(seen[-min(len(seen), 3000):]).all()
+
+
+def test_a_second_collector_on_one_store_is_refused(collector):
+    """Each collector keeps its own window of recent spans: two on one store stored a span
+    that came to both twice."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--listen", "127.0.0.1:0", "--store",
+                          collector.store], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "is in use by another collector" in out.stderr, out.stderr
+
+
+def test_a_store_whose_creation_was_cut_short_opens(tmp_path):
+    """A collector killed after creating the tables, before their first row, left a store
+    that no collector could open again (schema version None)."""
+    import sqlite3
+
+    from crosstrace.collector import store as store_module
+
+    path = tmp_path / "s.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(store_module._SCHEMA)
+    Store(str(path)).close()
+    with Store(str(path), readonly=True) as store:
+        assert store.meta("schema_version") == str(store_module.SCHEMA_VERSION)

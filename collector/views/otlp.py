@@ -69,7 +69,10 @@ def resource(r) -> "resource_pb2.Resource":
     """An OTLP sender's resource as it sent it (types, and its own `clock` or `source`,
     which crosstrace's labels of the same names hid); a tracer's from its fields."""
     if r.attributes_json:
-        attrs = loads(r.attributes_json)
+        try:
+            attrs = loads(r.attributes_json)
+        except ValueError:   # a store written before the collector checked it: the fields below
+            attrs = None
         if isinstance(attrs, dict):
             attrs.setdefault(sc.NODE_ID, r.node_id)
             return resource_pb2.Resource(attributes=key_values(attrs))
