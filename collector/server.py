@@ -173,8 +173,9 @@ class CollectorService:
             self.refuse(exc, context)
         except StoreUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # A resend's ack says its rejects again: a tracer resends only what it has no ack for.
         return pb.ExportAck(seq=checked.batch.seq, accepted=result.accepted, duplicates=result.duplicates,
-                            rejected={} if result.resent else dict(checked.rejected))
+                            rejected=dict(checked.rejected))
 
     def exchange_clock(self, data: bytes, context):
         t2 = self.now()

@@ -15,7 +15,9 @@ import collections
 import dataclasses
 import fcntl
 import itertools
+import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -62,6 +64,8 @@ CREATE TABLE IF NOT EXISTS rejects (reason TEXT PRIMARY KEY, count INTEGER NOT N
 CREATE TABLE IF NOT EXISTS collector_clocks (
     clock TEXT PRIMARY KEY, shift_ns INTEGER NOT NULL, first_used_unix_ns INTEGER NOT NULL);
 """
+_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA))
+log = logging.getLogger("crosstrace.collector")
 
 
 @dataclasses.dataclass
@@ -71,23 +75,29 @@ class WriteResult:
     resent: bool = False   # a batch stored before (its session and seq): its rejects were counted then
 
 
-def _take_writer_lock(path: str) -> int:
+def _take_writer_lock(path: str):
     """One writer per store: two collectors on one store each kept their own window of
     recent spans, and stored a span that came to both twice (and two creating a store at
-    once failed on SQLite's lock). The lock is `<store>.lock`'s flock, released with the
-    process however it ends; readers take none."""
+    once failed on SQLite's lock). The lock is an flock on `<store>.lock` (of the store's
+    real path), held by a file object, so that it goes with the Store or the process
+    however either ends; readers take none. A filesystem without flock (NFS without lockd)
+    goes unlocked, with a warning."""
+    lock_path = os.path.realpath(path) + ".lock"
     try:
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        f = open(os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
     except OSError as exc:
-        folder = os.path.dirname(os.path.abspath(path))
+        folder = os.path.dirname(lock_path)
         why = f"{folder} is not writable" if not os.access(folder, os.W_OK) else exc.strerror
-        raise ValueError(f"cannot open the store {path}: no lock file {path}.lock ({why})") from None
+        raise ValueError(f"cannot open the store {path}: no lock file {lock_path} ({why})") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
-        raise ValueError(f"the store {path} is in use by another collector ({path}.lock is held)") from None
-    return fd
+        f.close()
+        raise ValueError(f"the store {path} is in use by another collector ({lock_path} is held)") from None
+    except OSError as exc:
+        log.warning("crosstrace: %s cannot be locked (%s); make sure one collector writes %s", lock_path,
+                    exc.strerror, path)
+    return f
 
 
 def _readonly_uri(path: str) -> str:
@@ -140,7 +150,7 @@ class Store:
                 raise ValueError(self._cannot_open(exc)) from None
         except BaseException:
             if self._writer_lock is not None:
-                os.close(self._writer_lock)
+                self._writer_lock.close()
             raise
 
     def _open(self, sync: str) -> None:
@@ -177,11 +187,17 @@ class Store:
                 raise ValueError(f"{self.path} is empty, not a crosstrace store")
             return
         version = self.meta("schema_version")
-        if version is None and not self.readonly and not self.db.execute("SELECT 1 FROM segments LIMIT 1").fetchone():
+        if version is None and not self.readonly and self._cut_short(tables):
             return   # made by a collector that died before writing its first row: begun again
         if version != str(SCHEMA_VERSION):
             raise ValueError(f"store {self.path} has schema version {version}; this crosstrace "
                              f"reads version {SCHEMA_VERSION}")
+
+    def _cut_short(self, tables: set[str]) -> bool:
+        """Whether this is a store whose making stopped before its first row (a collector
+        killed then): its tables some of ours, all empty. Another program's database, with
+        a `meta` table of its own, is not."""
+        return tables <= _TABLES and not any(self.db.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone() for t in tables)
 
     def _cannot_open(self, exc: sqlite3.DatabaseError) -> str:
         """One line on what is wrong with the path: SQLite's reason, and a directory or
@@ -195,7 +211,7 @@ class Store:
     def close(self) -> None:
         self.db.close()
         if self._writer_lock is not None:
-            os.close(self._writer_lock)
+            self._writer_lock.close()
             self._writer_lock = None
 
     def __enter__(self) -> "Store":

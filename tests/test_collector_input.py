@@ -442,12 +442,13 @@ def test_exchanges_are_placed_by_the_collector_clock_that_answered_them(tmp_path
 
 def test_a_resent_batch_counts_its_rejects_once(collector):
     """A batch resent after a lost ack (a spool's replay) is stored once; its rejected spans
-    were counted again with every resend, in the store, the collector's stats and the ack."""
+    were counted again with every resend in the store. Each ack still says them: a tracer
+    resends only a batch whose ack it never got."""
     data = batch(10, span_id=np.r_[0, np.arange(2, 11)].astype("<u8")).SerializeToString()   # one invalid id
     acks, err = export(collector.address, [data, data])
     again, err_again = export(collector.address, [data])
     assert err is None and err_again is None
-    assert [dict(a.rejected) for a in acks + again] == [{"invalid_span_id": 1}, {}, {}]
+    assert [dict(a.rejected) for a in acks + again] == [{"invalid_span_id": 1}] * 3
     assert [a.accepted for a in acks + again] == [9, 0, 0]
     assert rejects(collector) == {"invalid_span_id": 1}
 
@@ -492,15 +493,30 @@ def test_a_second_collector_on_one_store_is_refused(collector):
 
 
 def test_a_store_whose_creation_was_cut_short_opens(tmp_path):
-    """A collector killed after creating the tables, before their first row, left a store
-    that no collector could open again (schema version None)."""
+    """A collector killed after creating some or all of the tables, before their first row,
+    left a store that no collector could open again (schema version None). Another
+    program's database with a `meta` table of its own is still refused, and left alone."""
+    import gc
     import sqlite3
 
     from crosstrace.collector import store as store_module
 
-    path = tmp_path / "s.db"
-    with sqlite3.connect(path) as db:
-        db.executescript(store_module._SCHEMA)
-    Store(str(path)).close()
-    with Store(str(path), readonly=True) as store:
-        assert store.meta("schema_version") == str(store_module.SCHEMA_VERSION)
+    for name, script in (("all.db", store_module._SCHEMA),
+                         ("some.db", store_module._SCHEMA.split("CREATE TABLE IF NOT EXISTS segments")[0]),
+                         ("other.db", "CREATE TABLE meta (key TEXT, value TEXT); CREATE TABLE users (name TEXT);")):
+        path = tmp_path / name
+        with sqlite3.connect(path) as db:
+            db.executescript(script)
+        if name == "other.db":
+            with pytest.raises(ValueError, match="not a crosstrace store|schema version"):
+                Store(str(path))
+            with sqlite3.connect(path) as db:
+                assert {t for (t,) in db.execute("SELECT name FROM sqlite_master")} == {"meta", "users"}
+            continue
+        Store(str(path)).close()
+        with Store(str(path), readonly=True) as store:
+            assert store.meta("schema_version") == str(store_module.SCHEMA_VERSION)
+    # A writer dropped without close() releases the lock with it (it blamed another collector).
+    Store(str(tmp_path / "all.db"))
+    gc.collect()
+    Store(str(tmp_path / "all.db")).close()
