@@ -6,6 +6,7 @@ Each tier has its own TracerProvider (its own node id and simulated clock) expor
 real collector process; the checks read what the collector stored."""
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import threading
 import time
@@ -127,6 +128,18 @@ def metadata_echo() -> tuple[list[dict], grpc.RpcMethodHandler]:
         return request
 
     return seen, grpc.unary_unary_rpc_method_handler(echo)
+
+
+@contextlib.contextmanager
+def traced_echo(provider):
+    """(the metadata each call brought, the server's address, a channel to it), all traced
+    by `provider`: a metadata_echo server for the length of the `with`."""
+    seen, echo = metadata_echo()
+    server, address = sync_server(provider, {"Echo": echo})
+    try:
+        yield seen, address, crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+    finally:
+        server.stop(0)
 
 
 def test_sync_unary_and_streaming_across_two_hops(collector):
@@ -379,12 +392,9 @@ def test_a_garbled_clock_trailer_costs_the_sample_only(collector):
 def test_wire_cost_is_a_few_hundred_bytes(collector):
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="edge-node-with-a-long-name/12345",
                                          udp_clock=False)
-    seen, echo = metadata_echo()
-    server, address = sync_server(provider, {"Echo": echo})
-    channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
-    _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
+    with traced_echo(provider) as (seen, _, channel):
+        _, call = channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10)
     trailer = [(k, v) for k, v in call.trailing_metadata() if k == ct_grpc.CLOCK_KEY]
-    server.stop(0)
     provider.shutdown()
     assert len(trailer) == 1 and trailer[0][1].endswith("edge-node-with-a-long-name%2F12345")
     sent = [(k, v) for k, v in seen[0].items() if k in ("traceparent", "tracestate", ct_grpc.T1_KEY)]
@@ -491,17 +501,12 @@ def test_a_channel_asks_for_one_clock_sample_per_interval(collector):
     the traceparent alone and get no trailer. Each channel keeps its own interval."""
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="solo", udp_clock=False,
                                          rpc_clock_interval_ms=60_000)
-    seen, echo = metadata_echo()
-    server, address = sync_server(provider, {"Echo": echo})
-    try:
-        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+    with traced_echo(provider) as (seen, address, channel):
         trailers = [call.trailing_metadata() for _, call in
                     (channel.unary_unary("/test.Svc/Echo").with_call(b"x", timeout=10) for _ in range(5))]
         assert [channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10) for _ in range(3)] == [b"x"] * 3
         other = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
         assert other.unary_unary("/test.Svc/Echo")(b"x", timeout=10) == b"x"
-    finally:
-        server.stop(0)
     assert provider.force_flush(20_000)
     provider.shutdown()
     asked = [ct_grpc.T1_KEY in m for m in seen]
@@ -660,16 +665,11 @@ def test_after_shutdown_nothing_piles_up(collector):
     nothing takes them out of the queue any more, so they are dropped, not kept."""
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="both", udp_clock=False,
                                          rpc_clock_interval_ms=0)
-    seen, echo = metadata_echo()
-    server, address = sync_server(provider, {"Echo": echo})
-    try:
-        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+    with traced_echo(provider) as (seen, _, channel):
         channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10)   # binds both sides
         provider.shutdown()
         for _ in range(50):
             channel.unary_unary("/test.Svc/Echo")(b"x", timeout=10)
-    finally:
-        server.stop(0)
     assert len(seen) == 51
     assert not provider._queue.queue and not provider._queue.samples
 

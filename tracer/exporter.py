@@ -290,17 +290,15 @@ class Exporter:
         if n:
             try:
                 encode_spans(batch, part)
-            except Exception as exc:   # a value no encoding takes (its str() raises): the span is dropped
-                if n > 1:              # and counted; halves find it, the others go
-                    half = n // 2
-                    self._send_spans([column[:half] for column in part], dropped)
-                    self._send_spans([column[half:] for column in part], dropped)
+                halve = n > 1 and encoded_size(batch) > MAX_BATCH_BYTES
+            except Exception as exc:   # a value no encoding takes (its str() raises): halves find its
+                if n == 1:             # span, which alone is dropped and counted
+                    self._warn_once("encode", f"crosstrace: could not encode span {part[3][0]!r} ({exc!r}); "
+                                              "it is dropped")
+                    self.dropped += 1
                     return
-                self._warn_once("encode", f"crosstrace: could not encode span {part[3][0]!r} ({exc!r}); "
-                                          "it is dropped")
-                self.dropped += 1
-                return
-            if n > 1 and encoded_size(batch) > MAX_BATCH_BYTES:
+                halve = True
+            if halve:
                 half = n // 2
                 self._send_spans([column[:half] for column in part], dropped)
                 self._send_spans([column[half:] for column in part], dropped)

@@ -11,10 +11,16 @@ def open_output(path: str):
     return contextlib.nullcontext(sys.stdout.buffer) if path == "-" else open(path, "wb")
 
 
+PLAIN = {"status": STATUS_NAMES[Status.UNSET], "status_message": None, "events": (), "links": ()}
+
+
 def outcome(t, al, row: int) -> dict:
     """A span's status, its message, its events (exceptions among them) on the aligned
     timeline and its links: what an OTLP export sends of a span beyond its times and
-    attributes, for the views that show one record per span."""
+    attributes, for the views that show one record per span. Most spans have none of it:
+    they share one record (not to be changed)."""
+    if not t.status[row] and row not in t.extras:
+        return PLAIN
     extra = t.extras.get(row, {})
     events = entries(extra, "events", 3)
     times = al.to_reference(t.nodes[t.node[row]], [e[1] for e in events]).tolist() if events else []

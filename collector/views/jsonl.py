@@ -10,7 +10,6 @@ def write(path: str, analysed) -> int:
     """Write the spans to `path` ('-': stdout); returns how many."""
     t, al = analysed.table, analysed.alignment
     kinds = {k.value: k.name for k in Kind}
-    plain = {"status": "UNSET", "status_message": None, "events": [], "links": []}   # most spans
     with open_output(path) as out:
         for i in range(len(t)):
             out.write(dumps({
@@ -25,6 +24,6 @@ def write(path: str, analysed) -> int:
                 "end_ns": int(al.end[i]),
                 "error_bound_ns": int(al.error[i]),
                 "attributes": t.attributes[i] or {},
-                **(outcome(t, al, i) if t.status[i] or i in t.extras else plain),
+                **outcome(t, al, i),
             }) + b"\n")
     return len(t)

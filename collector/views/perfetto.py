@@ -17,7 +17,7 @@ from ...proto.semconv import Kind
 from .. import attribution
 from ..columns import dumps
 from ..dag import Edge, dense
-from . import open_output, outcome
+from . import PLAIN, open_output, outcome
 
 _KINDS = {k.value: k.name.lower() for k in Kind}
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
@@ -106,8 +106,9 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
             args["critical_path_ns"] = int(on_path[i])
         if attrs:
             args["attributes"] = attrs
-        if t.status[i] or i in t.extras:
-            args.update({k: v for k, v in outcome(t, al, i).items() if v})
+        more = outcome(t, al, i)
+        if more is not PLAIN:
+            args.update({k: v for k, v in more.items() if v})
         events.append({"ph": "X", "name": t.names[t.name[i]], "cat": args["kind"], "ts": ts[i], "dur": dur[i],
                        "pid": int(pid[i]), "tid": int(tid[i]), "args": args})
 
