@@ -134,9 +134,7 @@ def fit_sources(sources: dict[str, NodeSources], epoch_offset_ns: int,
     for node, model in models.items():
         s = sources[node]
         if not model.known and node in on_utc:
-            model = utc_link.with_flags("wall_clock")
-            if "utc_servers_disagree" in utc_link.flags:
-                model = model.with_flags("utc_servers_disagree")
+            model = utc_link.with_flags("wall_clock")   # and the link's own flags (utc_servers_disagree)
         if not model.known:
             out[node] = unknown(s.samples)
             continue
