@@ -4,6 +4,7 @@ The same columnar SpanBatch is the wire format and the on-disk segment format, s
 ingest and read both go through these views.
 """
 import json
+import re
 
 import numpy as np
 import orjson
@@ -25,18 +26,26 @@ COLUMNS = (
 )
 
 
+# An integer orjson reads as a float, losing digits: beyond [-2**63, 2**64), so at least 20
+# digits, or 19 after a minus (a match inside a string or a float only costs json's pace).
+_WIDE_INTEGER = re.compile(rb"(?<![0-9.])(?:-[0-9]{19}|[0-9]{20})")
+
+
 def loads(data: bytes):
     """orjson, with json's leniency for NaN and Infinity (what tracers write for a float
     JSON has no number for), which are read as the strings proto3's JSON mapping uses:
     what crosstrace writes for other tools (JSON lines, Perfetto) stays strict JSON.
+    json also reads the integers beyond 64 bits (a UUID's int) that orjson would round.
     Nesting too deep for either is a ValueError like any other bad JSON."""
     try:
-        return orjson.loads(data)
+        if _WIDE_INTEGER.search(data) is None:
+            return orjson.loads(data)
     except orjson.JSONDecodeError:
-        try:
-            return json.loads(data, parse_constant=str)
-        except RecursionError:
-            raise ValueError("JSON nested too deeply") from None
+        pass
+    try:
+        return json.loads(data, parse_constant=str)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def dumps(value) -> bytes:

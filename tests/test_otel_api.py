@@ -165,8 +165,11 @@ def test_json_unfriendly_attribute_values_survive(provider, collector, tmp_path)
     """Values JSON has no type for travel as text; a NaN or an infinity (a loss gone NaN) as
     the strings of proto3's JSON mapping, not as null, and exports stay strict JSON."""
     tracer = provider.get_tracer("test")
-    with tracer.start_as_current_span("odd", attributes={"bytes": b"\x01\x02", "big": 1 << 70, "obj": object()}):
+    wide = {"uuid": 24197857161011715162171839636988778105, "low": -(1 << 63) - 1, "u64": (1 << 64) - 1}
+    with tracer.start_as_current_span("odd", attributes={"bytes": b"\x01\x02", "big": 1 << 70, "obj": object(),
+                                                         **wide}):
         pass
+    assert provider.force_flush(10_000)   # a batch of its own: orjson reads it (json reads one with a NaN)
     with tracer.start_as_current_span("diverged", attributes={"loss": float("nan"), "step": 7}) as span:
         span.set_attribute("grad_norm", float("inf"))
         span.set_attribute("losses", [0.5, float("nan")])
@@ -179,6 +182,7 @@ def test_json_unfriendly_attribute_values_survive(provider, collector, tmp_path)
     rows = by_name(t)
     attrs = t.attributes[rows["odd"]]
     assert attrs["bytes"] == "0102" and attrs["big"] == 1 << 70 and attrs["obj"].startswith("<object")
+    assert {k: attrs[k] for k in wide} == wide and all(type(attrs[k]) is int for k in wide)   # not rounded floats
     assert t.attributes[rows["diverged"]] == {"loss": "NaN", "step": 7, "grad_norm": "Infinity",
                                               "losses": [0.5, "NaN"], "note": '{"said": null} é'}
     assert t.extras[rows["diverged"]]["events"][0][2] == {"scale": "-Infinity"}
@@ -193,6 +197,7 @@ def test_json_unfriendly_attribute_values_survive(provider, collector, tmp_path)
     exported = {s["name"]: s["attributes"] for s in map(functools.partial(json.loads, parse_constant=strict),
                                                           out.read_text().splitlines())}
     assert exported["diverged"] == t.attributes[rows["diverged"]]
+    assert {k: exported["odd"][k] for k in wide} == wide
 
 
 class Boom(Exception):
