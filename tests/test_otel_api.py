@@ -398,12 +398,53 @@ def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector
     with tracer.start_as_current_span("epoch", links=[trace.Link(other)] * 100) as span:
         for i in range(200):
             span.add_event(f"step {i}")
-            span.add_link(other)
+            span.add_link(trace.SpanContext(0xABC, i + 1, is_remote=True, trace_flags=trace.TraceFlags(1)))
     assert provider.force_flush(10_000)
     t = load_table(collector.store)
     extras = t.extras[by_name(t)["epoch"]]
     assert [e[0] for e in extras["events"]] == [f"step {i}" for i in range(72, 200)]   # the newest 128
-    assert len(extras["links"]) == 128
+    assert [int(link[1], 16) for link in extras["links"]] == list(range(73, 201))    # so are links
+
+
+def test_values_are_recorded_as_they_were_at_the_call(provider, collector):
+    """What the caller changes afterwards (a list it reuses, a nested dict, a link's
+    attributes) is not what was recorded, as with OpenTelemetry's SDK."""
+    tracer = provider.get_tracer("test")
+    other = trace.SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=trace.TraceFlags(1))
+    losses, config, at_start, later = [0.5], {"layers": [1, 2], "opt": {"lr": [0.1]}}, {"why": "retry"}, {"n": [1]}
+    span = tracer.start_span("step", links=[trace.Link(other, at_start)])
+    span.add_event("losses", {"losses": losses})
+    span.set_attribute("config", config)
+    span.set_attributes({"nested": [[1], (2, [3])]})
+    span.add_link(other, later)
+    losses.append(0.4)
+    config["layers"].append(3), config["opt"]["lr"].append(0.2)
+    config["new"] = 1
+    at_start["why"] = later["n"][0] = "changed"
+    span.end()
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    row = by_name(t)["step"]
+    assert t.attributes[row] == {"config": {"layers": [1, 2], "opt": {"lr": [0.1]}}, "nested": [[1], [2, [3]]]}
+    assert t.extras[row]["events"][0][2] == {"losses": [0.5]}
+    assert [link[2] for link in t.extras[row]["links"]] == [{"why": "retry"}, {"n": [1]}]
+
+
+def test_off_type_kinds_and_statuses_are_taken_or_ignored_never_raised(provider, collector):
+    tracer = provider.get_tracer("test")
+    tracer.start_span("no kind", kind=None).end()
+    with tracer.start_as_current_span("odd kind", kind="client"):
+        pass
+    for name, status in (("two", 2), ("status two", trace.Status(2)), ("none", None), ("list", [])):
+        span = tracer.start_span(name)
+        span.set_status(status)
+        span.end()
+    assert provider.force_flush(10_000)
+    t = load_table(collector.store)
+    rows = by_name(t)
+    assert t.kind[rows["no kind"]] == t.kind[rows["odd kind"]] == Kind.INTERNAL
+    assert [t.status[rows[name]] for name in ("two", "status two", "none", "list")] == [Status.ERROR] * 2 + [
+        Status.UNSET] * 2
 
 
 def test_explicit_times_keep_their_differences_exactly(provider, collector):

@@ -18,11 +18,11 @@ from opentelemetry import trace as trace_api
 from opentelemetry.context.context import Context
 from opentelemetry.trace.propagation import _SPAN_KEY
 
-from ..proto.semconv import KIND, KIND_BY_NAME
+from ..proto.semconv import KIND, KIND_BY_NAME, Kind
 from .clock import Clock
 from .config import Config
 from .exporter import Exporter, ExportQueue
-from .span import OTEL_KIND, Span, SpanExtras, log
+from .span import OTEL_KIND, Span, SpanExtras, log, own_links
 
 _random_bits = random.getrandbits
 _new = object.__new__
@@ -65,6 +65,7 @@ _INTERNAL = trace_api.SpanKind.INTERNAL
 # SpanKind members are singletons; keyed by id() they are found without Enum.__hash__,
 # which is Python code and costs more than the rest of the lookup.
 _OTEL_KIND_BY_ID = {id(kind): code for kind, code in OTEL_KIND.items()}
+_KIND_CODES = {int(kind): int(kind) for kind in Kind}
 
 
 class Tracer(trace_api.Tracer):
@@ -109,7 +110,7 @@ class Tracer(trace_api.Tracer):
         else:
             span.attributes = None
         if links:
-            links = [link for link in links if _recordable(link)]
+            links = own_links(links)
             if links:
                 span.extras = SpanExtras(links)
         return span
@@ -144,7 +145,7 @@ class Tracer(trace_api.Tracer):
         else:
             attributes = None
         if links:
-            links = [link for link in links if _recordable(link)]
+            links = own_links(links)
             if links:
                 extras = SpanExtras(links, extras.trace_state if extras else None)
         span = _new(cls)
@@ -166,9 +167,12 @@ class Tracer(trace_api.Tracer):
 
 
 def _kind_code(kind) -> int:
-    """crosstrace's kind of an OpenTelemetry SpanKind (or of a crosstrace Kind given as one)."""
+    """crosstrace's kind of an OpenTelemetry SpanKind (or of a crosstrace Kind given as one);
+    INTERNAL for anything else (None, say), as nothing is raised into the caller."""
     code = _OTEL_KIND_BY_ID.get(id(kind))
-    return int(kind) if code is None else code
+    if code is None:
+        code = _KIND_CODES.get(kind, 0) if isinstance(kind, int) else 0
+    return code
 
 
 def _under(parent) -> tuple[int, int, object] | None:
@@ -183,12 +187,6 @@ def _under(parent) -> tuple[int, int, object] | None:
     if not ctx.trace_flags.sampled:
         return None
     return ctx.trace_id, ctx.span_id, ctx.trace_state
-
-
-def _recordable(link) -> bool:
-    """OpenTelemetry keeps a link to an invalid context when it has attributes or a trace state."""
-    context = link.context
-    return context.is_valid or bool(link.attributes) or bool(context.trace_state)
 
 
 current_context, detach = _get_context, _detach   # for instrumentation: one ContextVar call each

@@ -28,6 +28,7 @@ _DEFAULT_TRACE_STATE = trace_api.DEFAULT_TRACE_STATE
 OTEL_KIND = {trace_api.SpanKind.INTERNAL: Kind.INTERNAL,
              **{trace_api.SpanKind[name]: kind for name, kind in OTEL_KINDS.items()}}
 _STATUS = {StatusCode.UNSET: Status.UNSET, StatusCode.OK: Status.OK, StatusCode.ERROR: Status.ERROR}
+_STATUS.update({code.value: status for code, status in _STATUS.items()})   # set_status(2), Status(2)
 
 
 class Span:
@@ -77,8 +78,8 @@ class Span:
     def set_attribute(self, key: str, value) -> None:
         if self.end_ns:
             return
-        if value.__class__ is list:   # kept as it is now: the caller may reuse the list
-            value = tuple(value)
+        if value.__class__ in _CONTAINERS:   # kept as it is now: the caller may reuse it
+            value = frozen(value)
         if self.attributes is None:
             self.attributes = {key: value}
         else:
@@ -97,14 +98,14 @@ class Span:
             return
         clock = self._sink.clock
         t = clock.now() if timestamp is None else clock.from_epoch_ns(timestamp)
-        self._extras().events.append((name, t, dict(attributes) if attributes else None))   # the newest MAX_EVENTS
+        self._extras().events.append((name, t, own_attributes(attributes) if attributes else None))
 
     def add_link(self, context: trace_api.SpanContext, attributes=None) -> None:
-        if self.end_ns or context is None or not context.is_valid:
+        if self.end_ns or context is None:
             return
-        links = self._extras().links
-        if len(links) < MAX_LINKS:
-            links.append(trace_api.Link(context, dict(attributes) if attributes else None))
+        link = trace_api.Link(context, own_attributes(attributes) if attributes else None)
+        if recordable(link):
+            self._extras().links.append(link)
 
     def update_name(self, name: str) -> None:
         if not self.end_ns:
@@ -120,12 +121,17 @@ class Span:
             code, description = status.status_code, status.description
         else:
             code = status
+        try:
+            status = _STATUS[code]
+        except (KeyError, TypeError):   # not a StatusCode: never raised into the caller
+            log.debug("crosstrace: set_status(%r) on span %r is not a status; ignored", code, self.name)
+            return
         # OpenTelemetry: OK is final, and UNSET never overrides a set status.
-        if self.status == Status.OK or code is StatusCode.UNSET:
+        if self.status == Status.OK or status == Status.UNSET:
             return
         extras = self._extras()
-        extras.status = _STATUS[code]
-        extras.status_message = description if code is StatusCode.ERROR and description else None
+        extras.status = status
+        extras.status_message = description if status == Status.ERROR and description else None
 
     def record_exception(self, exception: BaseException, attributes=None, timestamp=None,
                          escaped: bool = False) -> None:
@@ -186,21 +192,50 @@ class SpanExtras:
     __slots__ = ("status", "status_message", "events", "links", "trace_state", "record_exception",
                  "set_status_on_exception")
 
-    def __init__(self, links=None, trace_state=None):
+    def __init__(self, links=(), trace_state=None):
         self.status = 0
         self.status_message = None
-        self.events = collections.deque(maxlen=MAX_EVENTS)
-        self.links = links[:MAX_LINKS] if links else []
+        self.events = collections.deque(maxlen=MAX_EVENTS)   # the newest MAX_EVENTS, as in the SDK
+        self.links = collections.deque(links, maxlen=MAX_LINKS)   # the newest MAX_LINKS, likewise
         self.trace_state = trace_state
         self.record_exception = self.set_status_on_exception = True   # start_span's flags
 
 
 def own_attributes(attributes) -> dict:
-    """A copy of `attributes` that the caller cannot change any more: lists become tuples
-    (as in OpenTelemetry's SDK), since the values are read when the span is exported."""
+    """A copy of `attributes` that the caller cannot change any more, since the values are
+    read when the span is exported: lists become tuples (as in OpenTelemetry's SDK), nested
+    ones too, and nested dicts are copied."""
     attributes = dict(attributes)
-    if list in map(type, attributes.values()):
+    if not _CONTAINERS.isdisjoint(map(type, attributes.values())):
         for key, value in attributes.items():
-            if value.__class__ is list:
-                attributes[key] = tuple(value)
+            if value.__class__ in _CONTAINERS:
+                attributes[key] = frozen(value)
     return attributes
+
+
+_CONTAINERS = frozenset((list, tuple, dict))
+
+
+def frozen(value):
+    """An attribute value as it is now, for good: lists and tuples as tuples, dicts copied,
+    all the way down (a tuple of plain values is itself)."""
+    kind = value.__class__
+    if kind is dict:
+        return {key: frozen(item) if item.__class__ in _CONTAINERS else item for key, item in value.items()}
+    if kind is tuple and _CONTAINERS.isdisjoint(map(type, value)):
+        return value
+    if kind is list or kind is tuple:
+        return tuple(frozen(item) if item.__class__ in _CONTAINERS else item for item in value)
+    return value
+
+
+def recordable(link) -> bool:
+    """OpenTelemetry keeps a link to an invalid context when it has attributes or a trace state."""
+    context = link.context
+    return context.is_valid or bool(link.attributes) or bool(context.trace_state)
+
+
+def own_links(links) -> list:
+    """The links to record of those given at a span's start, their attributes copied."""
+    return [trace_api.Link(link.context, own_attributes(link.attributes)) if link.attributes else link
+            for link in links if recordable(link)]
