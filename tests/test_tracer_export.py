@@ -141,7 +141,7 @@ def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
 
 def test_forked_children_export_their_own_spans(collector):
     out = run_python("""
-        import os, multiprocessing as mp, crosstrace
+        import os, sys, time, multiprocessing as mp, crosstrace
         p = crosstrace.init()
         tracer = p.get_tracer("t")
         with tracer.start_as_current_span("parent-before-fork"):
@@ -154,12 +154,15 @@ def test_forked_children_export_their_own_spans(collector):
         procs = [ctx.Process(target=worker, args=(i,)) for i in range(2)]
         [q.start() for q in procs]
         [q.join(30) for q in procs]
-        pid = os.fork()
-        if pid == 0:
-            with tracer.start_as_current_span("raw-fork-child"):
-                pass
-            os._exit(0 if p.force_flush(20000) else 1)
-        _, status = os.waitpid(pid, 0)
+        with tracer.start_as_current_span("open-at-fork"):
+            pid = os.fork()
+            if pid == 0:
+                with tracer.start_as_current_span("raw-fork-child"):
+                    pass
+                # leaves through the parent's `with` too, which ends the child's copy of its span
+                sys.exit(0 if p.force_flush(20000) else 1)
+            _, status = os.waitpid(pid, 0)
+            time.sleep(0.3)
         print(status, [q.exitcode for q in procs], p.force_flush(20000))
     """, env=tracer_env(collector, "forker"), timeout=90)
     assert out.stdout.split() == ["0", "[0,", "0]", "True"], out.stderr
@@ -168,6 +171,8 @@ def test_forked_children_export_their_own_spans(collector):
     names = [t.names[i] for i in t.name]
     assert names.count("in-worker") == 200 and names.count("raw-fork-child") == 1
     assert names.count("parent-before-fork") == 1
+    opened = names.index("open-at-fork")   # the parent's span, not the child's copy, which ended first
+    assert t.end[opened] - t.start[opened] >= 300_000_000
     store.close()
 
 

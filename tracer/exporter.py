@@ -64,7 +64,7 @@ class ExportQueue:
     dict that holds a list). Reading the queue by field needs no pass over tuples.
     """
 
-    __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples")
+    __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples", "forked_at")
 
     def __init__(self, clock, max_queue: int, batch_size: int):
         self.clock = clock
@@ -72,7 +72,8 @@ class ExportQueue:
         self.max_entries = FIELDS * max_queue
         self.wake_at = FIELDS * max(1, min(batch_size, max_queue // 2))
         self.wake = _noop
-        self.reset_after_fork()
+        self.queue, self.samples, self.dropped = [], collections.deque(), 0
+        self.forked_at = None
 
     def take(self) -> list[list]:
         """Pop every queued span, as one list per field (encode_spans' columns)."""
@@ -80,13 +81,26 @@ class ExportQueue:
         n = len(queue)   # spans appended meanwhile go after n: they stay for the next take
         columns = [queue[i:n:FIELDS] for i in range(FIELDS)]
         del queue[:n]
+        if self.forked_at is not None:
+            columns = self._started_here(columns)
         return columns
+
+    def _started_here(self, columns: list[list]) -> list[list]:
+        """In a forked child: the spans that started after the fork. Those open at the fork
+        are the parent's, which ends and exports them; the child ends its copies too where it
+        unwinds through their `with` (sys.exit in a child of os.fork), and the collector,
+        which keeps the first copy of a span, would store the child's end. (A span the child
+        starts with an explicit start time before the fork is left out alike.)"""
+        forked_at, starts = self.forked_at, columns[5]   # (encode.py's order of the fields)
+        keep = [i for i, start in enumerate(starts) if start >= forked_at]
+        if len(keep) == len(starts):
+            return columns
+        return [[column[i] for i in keep] for column in columns]
 
     def reset_after_fork(self) -> None:
         """The child starts with an empty queue: the parent exports what it recorded."""
-        self.queue = []
-        self.samples = collections.deque()
-        self.dropped = 0
+        self.queue, self.samples, self.dropped = [], collections.deque(), 0
+        self.forked_at = self.now()
 
 
 def _noop() -> None:
