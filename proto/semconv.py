@@ -35,6 +35,7 @@ KIND_BY_NAME = {k.name.lower(): k for k in Kind}   # the values KIND takes
 
 # Training steps: the trace id of step k is derived from (job_id, k) on every rank.
 STEP = "crosstrace.step"
+STEP_ROUND = "crosstrace.step.round"   # on a step whose number came again (an epoch from 0): which time
 JOB_ID = "crosstrace.job_id"
 RUN_ID = "crosstrace.run_id"      # on step, collective and p2p spans where the run is known (tracer/step.py)
 

@@ -217,3 +217,78 @@ def test_torchruns_run_id_tells_runs_and_restarts_apart(monkeypatch):
                 m.setenv(name, value)
             m.setattr(step_mod, "_run", None)
             assert step_mod.run_id() == expected
+
+
+EPOCHS = """
+import asyncio
+import crosstrace
+from opentelemetry import trace
+
+provider = crosstrace.init()
+tracer = trace.get_tracer("train")
+for epoch in range(2):
+    for k, batch in enumerate("abc"):               # each epoch numbers its steps from 0 again
+        with crosstrace.step(k):
+            with tracer.start_as_current_span("forward"):
+                pass
+with crosstrace.step(2):                             # the same number again, not lower: the same step
+    with tracer.start_as_current_span("log"):
+        pass
+
+@crosstrace.step
+async def serve_step():                              # a coroutine's step covers its awaits
+    await asyncio.sleep(0)
+    with tracer.start_as_current_span("after-await"):
+        pass
+
+asyncio.run(serve_step())
+provider.shutdown()
+"""
+
+
+def test_an_epoch_that_numbers_its_steps_from_zero_again_has_traces_of_its_own(collector):
+    """Step numbers that go down start a new round of steps (`for k, batch in
+    enumerate(loader)` in an epoch loop): every rank gives each round's step k a new trace
+    alike, where the two epochs' steps had been stitched into one trace each."""
+    for node in ("rank0", "rank1"):
+        run_python(EPOCHS, env=tracer_env(collector, node, job_id="epochs"))
+    spans = spans_of(load_table(collector.store))
+    steps = [s for s in spans if s["name"] == "step"]
+    by_key = {}
+    for s in steps:
+        by_key.setdefault((s["a"][sc.STEP], s["a"].get(sc.STEP_ROUND, 0)), set()).add(s["trace"])
+    assert sorted(by_key) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 1)]
+    assert all(len(traces) == 1 for traces in by_key.values())          # both ranks alike
+    assert len({t for traces in by_key.values() for t in traces}) == 7
+    assert by_key[0, 0] == {f"{step_trace_id('epochs', 0):032x}"}       # the first round as before
+    by_id = {(s["node"], s["span_id"]): s for s in spans}
+    parent_step = {s["name"]: by_id[s["node"], s["parent"]]["a"] for s in spans if s["name"] in ("log", "after-await")}
+    assert parent_step["log"] == {sc.STEP: 2, sc.JOB_ID: "epochs", sc.STEP_ROUND: 1}
+    assert parent_step["after-await"][sc.STEP] == 3
+
+
+def test_steps_on_threads_may_end_in_any_order():
+    """Two threads' steps, ended in the order they began: the step open is the one still
+    open, and none once both are closed (threads without a context of their own, such as
+    DDP's backend threads, go by it)."""
+    out = run_python("""
+        import threading, crosstrace
+        from crosstrace.tracer.step import active_step
+        from opentelemetry.trace.propagation import _SPAN_KEY
+        crosstrace.init(endpoint="127.0.0.1:9", exit_flush_timeout_s=0.1)
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        seen = []
+        def a():
+            with crosstrace.step(0):
+                a_in.set(); b_in.wait()
+            seen.append(active_step()[_SPAN_KEY].attributes["crosstrace.step"])
+            a_out.set()
+        def b():
+            a_in.wait()
+            with crosstrace.step(1):
+                b_in.set(); a_out.wait()
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        [t.start() for t in threads]; [t.join() for t in threads]
+        print(seen[0], active_step())
+    """)
+    assert out.stdout.split() == ["1", "None"]

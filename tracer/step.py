@@ -11,7 +11,10 @@
 
 The trace id of step k is a hash of (job_id, run, k): every rank computes the same id on its
 own, so the collector finds all ranks' spans of a step in one trace. The run (run_id) keeps
-a job's runs apart; the ranks agree on it once, through torch.distributed's store. Sampling is the same
+a job's runs apart; the ranks agree on it once, through torch.distributed's store. A step
+number below the one before starts a new round (an epoch that numbers its steps from 0
+again): the round goes into the hash too, so each epoch's step k is a trace of its own,
+the same on every rank as long as they step alike. Sampling is the same
 on every rank too (k % every == 0); inside an unsampled step the current span is a
 non-recording one, so spans started under it (collectives, DDP buckets, user spans) cost
 next to nothing and are not exported: crosstrace's Tracer and OpenTelemetry's SDK both
@@ -22,10 +25,10 @@ OpenTelemetry API means starting the span under a remote parent of that id, whic
 providers keep (never recorded); crosstrace's starts the step span as a root of its trace
 on each rank.
 """
-import functools
 import hashlib
 import os
 import sys
+import threading
 import warnings
 
 from opentelemetry import trace as trace_api
@@ -35,7 +38,7 @@ from opentelemetry.trace.status import StatusCode
 
 from ..proto import semconv as sc
 from .config import Config
-from .provider import TracerProvider, attach, context_with, current_context, detach_quietly
+from .provider import TracerProvider, attach, context_with, current_context, detach_quietly, traced_calls
 from .span import RemoteParent
 
 _M64 = (1 << 64) - 1
@@ -43,13 +46,16 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 
 _next_step = 0    # the number a step without an explicit number gets
-_active = None    # Context of the innermost open step in this process (see active_step)
+_last_step = None  # the number of the step entered last, and the round it is in:
+_round = 0         # how many times step numbers went down (each epoch numbering from 0)
+_open: list = []   # Contexts of the open steps in this process, in the order they were entered
+_open_lock = threading.Lock()
 
 
-def step_trace_id(job_id: str, k: int | str, run: str = "") -> int:
-    """The 128-bit trace id of step k of a job's run (or of a shared_root's key): the same
-    on every rank, never 0."""
-    key = f"{job_id}\x00{k}" + (f"\x00{run}" if run else "")
+def step_trace_id(job_id: str, k: int | str, run: str = "", round_: int = 0) -> int:
+    """The 128-bit trace id of step k of a job's run (or of a shared_root's key) in its
+    round: the same on every rank, never 0."""
+    key = f"{job_id}\x00{k}" + (f"\x00{run}" if run else "") + (f"\x00round {round_}" if round_ else "")
     digest = hashlib.blake2b(key.encode(), digest_size=16, person=b"crosstrace.step").digest()
     return int.from_bytes(digest, "big") or 1
 
@@ -104,9 +110,10 @@ def job_id_of(provider) -> str:
 
 
 def active_step():
-    """The Context of the innermost step open in this process, or None. For code that runs
-    on threads where the step's context is not current (backend and autograd threads)."""
-    return _active
+    """The Context of the step entered last of those open in this process, or None. For code
+    that runs on threads where the step's context is not current (backend and autograd
+    threads)."""
+    return _open[-1] if _open else None
 
 
 def root_context(provider, trace_id: int):
@@ -133,7 +140,7 @@ def _origin(trace_id: int, sampled: bool) -> NonRecordingSpan:
 class Step:
     """One training step: a context manager, or a decorator whose every call is a step."""
 
-    __slots__ = ("k", "every", "name", "job_id", "attributes", "span", "_token", "_outer")
+    __slots__ = ("k", "every", "name", "job_id", "attributes", "span", "_token", "_context")
 
     def __init__(self, k: int | None = None, every: int = 1, name: str = "step",
                  job_id: str | None = None, attributes: dict | None = None):
@@ -147,29 +154,33 @@ class Step:
         self.span = None
 
     def __enter__(self):
-        global _next_step, _active
+        global _next_step, _last_step, _round
         if self.span is not None:
             raise RuntimeError("crosstrace.step: a step object can be entered only once")
         k = _next_step if self.k is None else int(self.k)
-        _next_step = k + 1
-        self.k = k
+        if _last_step is not None and k < _last_step:
+            _round += 1
+        _next_step, _last_step, self.k, round_ = k + 1, k, k, _round
         provider = trace_api.get_tracer_provider()
         job, run = self.job_id or job_id_of(provider), run_id()
-        trace_id = step_trace_id(job, k, run)
+        trace_id = step_trace_id(job, k, run, round_)
         if k % self.every:
             span = _origin(trace_id, sampled=False)
         else:
             attributes = {sc.STEP: k, sc.JOB_ID: job}
             if run:
                 attributes[sc.RUN_ID] = run
+            if round_:
+                attributes[sc.STEP_ROUND] = round_
             if self.attributes:
                 attributes.update(self.attributes)
             span = provider.get_tracer(__name__).start_span(self.name, root_context(provider, trace_id),
                                                             attributes=attributes)
-        ctx = context_with(span, current_context())
+        ctx = self._context = context_with(span, current_context())
         self.span = span
         self._token = attach(ctx)
-        self._outer, _active = _active, ctx
+        with _open_lock:
+            _open.append(ctx)
         return span
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -186,8 +197,12 @@ class Step:
         self._leave()
 
     def _leave(self):
-        global _active
-        _active = self._outer
+        """Close the step, wherever it is among the open ones (steps on threads end in any order)."""
+        with _open_lock:
+            for i in range(len(_open) - 1, -1, -1):
+                if _open[i] is self._context:
+                    del _open[i]
+                    break
         detach_quietly(self._token)   # a steps() loop may be closed under another context
         return self.span
 
@@ -200,13 +215,7 @@ class Step:
             raise TypeError("crosstrace.step used as a decorator numbers the calls itself: "
                             "give it no step number")
         options = (self.every, self.name, self.job_id, self.attributes)
-
-        @functools.wraps(func)
-        def traced(*args, **kwargs):
-            with Step(None, *options):
-                return func(*args, **kwargs)
-
-        return traced
+        return traced_calls(func, lambda: Step(None, *options))
 
 
 def step(k=None, *, every: int = 1, name: str = "step", job_id: str | None = None,
