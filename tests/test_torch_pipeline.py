@@ -23,7 +23,7 @@ import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed import pipelining
 import crosstrace
 
-SCHEDULES = %r
+SCHEDULES, INFERENCE = %r, 3
 provider = crosstrace.init()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,8 +46,15 @@ def run(k, in_step=True):
             schedule.step(target=y, losses=losses)
     return [loss.item() for loss in losses]
 
+def infer(k):
+    stage = pipelining.PipelineStage(nn.Sequential(nn.Linear(16, 16)), rank, world, torch.device("cpu"))
+    schedule = pipelining.Schedule1F1B(stage, n_microbatches=%d)   # no loss_fn: forward only
+    with torch.no_grad(), crosstrace.step(k):
+        schedule.step(x) if rank == 0 else schedule.step()
+
 report = {"instrumented": crosstrace.instrument_pipeline()}
 traced = [run(k) for k in SCHEDULES]
+infer(INFERENCE)
 run(1, in_step=False)   # outside any step
 crosstrace.uninstrument_pipeline()
 crosstrace.uninstrument_collectives()
@@ -56,7 +63,8 @@ report["losses"] = traced
 dist.destroy_process_group()
 report["flushed"] = provider.force_flush(30000)
 print(json.dumps(report))
-""" % (SCHEDULES, MICROBATCHES)
+""" % (SCHEDULES, MICROBATCHES, MICROBATCHES)
+INFERENCE = 3   # the step of a forward-only schedule
 
 SCHEDULE_KEYS = (sc.PP_SCHEDULE, sc.PP_NUM_STAGES, sc.PP_NUM_MICROBATCHES, sc.PP_STAGES_PER_RANK)
 
@@ -72,6 +80,9 @@ def test_three_schedules_trace_stages_and_transfers(collector):
     step_of = step_traces(rows, "pp-test")
     rows = [r for r in rows if r["trace"] in step_of]   # not the schedule run outside any step (below)
     assert not [r for r in rows if step_of[r["trace"]] >= 10 and r["name"] != "step"]  # untraced again
+    inference = collections.Counter((r["rank"], r["name"]) for r in rows
+                                    if step_of[r["trace"]] == INFERENCE and r["kind"] == Kind.COMPUTE)
+    assert inference == {(0, "forward"): MICROBATCHES, (1, "forward"): MICROBATCHES}   # no backward spans
     for k, (schedule, per_rank) in SCHEDULES.items():
         mine = [r for r in rows if step_of[r["trace"]] == k]
         stages = 2 * per_rank

@@ -46,6 +46,8 @@ def _compute(method):
 
     @functools.wraps(method)
     def traced(self, *args, **kwargs):
+        if action != "F" and not getattr(self, "has_backward", True):   # inference: torch does nothing
+            return method(self, *args, **kwargs)
         call = (self, *args)
         this = "I" if action == "B" and params.get("full_backward", call, kwargs) is False else action
         attributes = {sc.KIND: "compute", sc.PP_STAGE: self.stage_index,
