@@ -27,6 +27,10 @@ from .spantable import SpanTable
 ASSUMED_COLLECTOR_UTC_ERROR_NS = 10_000_000   # the collector's wall clock vs UTC, when nothing measures it
 
 UNBOUNDED_NS = np.iinfo(np.int64).max // 4
+# Aligned times are kept within +-2**61 ns (73 years; real ones are within decades of the
+# collector's boot or of 1970): any two of them, and a time and a bound, differ by what int64
+# holds. Timestamps a client sent near the ingest limit (2**62) would wrap otherwise.
+TIMELINE_LIMIT_NS = 1 << 61
 UTC = "utc"
 _SOURCE_NAMES = {pb.UDP_EXCHANGE: "udp", pb.GRPC_EXCHANGE: "grpc", pb.RPC_PIGGYBACK: "rpc",
                  pb.NTP: "ntp", pb.PTP: "ptp"}
@@ -311,6 +315,8 @@ def align(table: SpanTable, models: dict[str, ClockModel], epoch_offset_ns: int 
         end[rows] = model.to_reference(table.end[rows])
         bound = np.maximum(model.error_at(table.start[rows]), model.error_at(table.end[rows]))
         error[rows] = np.minimum(np.ceil(bound), UNBOUNDED_NS).astype(np.int64)
+    np.clip(start, -TIMELINE_LIMIT_NS, TIMELINE_LIMIT_NS, out=start)
+    np.clip(end, -TIMELINE_LIMIT_NS, TIMELINE_LIMIT_NS, out=end)
     out_models = dict(models)
     out_models.update({node_id: m for node_id, m in zip(table.nodes, node_models) if node_id in models})
     return Alignment(out_models, start, end, error, epoch_offset_ns, len(facts), len(refined.violations))

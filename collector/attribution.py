@@ -324,11 +324,13 @@ def _pipeline_rows(table: SpanTable) -> tuple[np.ndarray, dict]:
 
 
 def _positive_int(value) -> int | None:
+    """A count a span states (stages, microbatches): None unless it is one (a client's 1e400
+    is an infinity)."""
     try:
         value = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return value if value > 0 else None
+    return value if 0 < value < 1 << 31 else None
 
 
 def _pipeline_summary(table: SpanTable, first_row: int, pp_rows: np.ndarray, fractions: list) -> dict:

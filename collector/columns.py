@@ -4,6 +4,7 @@ The same columnar SpanBatch is the wire format and the on-disk segment format, s
 ingest and read both go through these views.
 """
 import json
+import math
 import re
 
 import numpy as np
@@ -43,9 +44,16 @@ def loads(data: bytes):
     except orjson.JSONDecodeError:
         pass
     try:
-        return json.loads(data, parse_constant=str)
+        return json.loads(data, parse_constant=str, parse_float=_float)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+def _float(text: str):
+    """A number too large for a float (1e400, which orjson refuses) is an infinity: read as
+    the string an infinity written by a tracer is read as."""
+    value = float(text)
+    return value if math.isfinite(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def dumps(value) -> bytes:

@@ -155,13 +155,32 @@ def _parents(table: SpanTable) -> np.ndarray:
     at = np.minimum(np.searchsorted(sorted_key, query), n - 1)
     found = known & (sorted_key[at] == query)
     parent[found] = order[at[found]]
-    parent[parent == np.arange(n)] = -1
+    _cut_cycles(parent)
     return parent
 
 
+def _cut_cycles(parent: np.ndarray) -> None:
+    """Cut parent links that loop (a client's broken input: spans that are each other's
+    parent) at each loop's lowest row, which becomes a root: every walk up the parents ends,
+    where the HTML page's nesting walk went on for ever. Pointer doubling finds the rows
+    whose ancestor 2**k > n levels up still exists (in a loop or below one)."""
+    parent[parent == np.arange(len(parent))] = -1
+    up = parent.copy()
+    for _ in range(len(parent).bit_length()):
+        up = np.where(up >= 0, up[np.maximum(up, 0)], -1)
+    seen: set = set()
+    for row in np.flatnonzero(up >= 0).tolist():   # rare: walked in Python, each row once
+        walk, r = {}, row
+        while r >= 0 and r not in walk and r not in seen:
+            walk[r] = len(walk)
+            r = int(parent[r])
+        if r in walk:   # back at a row of this walk: the loop is the walk from there on
+            parent[min(m for m, i in walk.items() if i >= walk[r])] = -1
+        seen.update(walk)
+
+
 def _depth(parent: np.ndarray) -> np.ndarray:
-    """How many ancestors each row has (pointer doubling: log2 of the depth passes; a
-    parent cycle, only in broken input, stops after 64)."""
+    """How many ancestors each row has (pointer doubling: log2 of the depth passes)."""
     depth = (parent >= 0).astype(np.int64)
     up = parent.copy()
     for _ in range(64):

@@ -19,6 +19,9 @@ MAX_INT64 = (1 << 63) - 1
 # Local monotonic clocks count from boot; anything beyond ~146 years is garbage.
 MAX_ABS_TIMESTAMP_NS = 1 << 62
 MAX_DURATION_NS = 30 * 24 * 3600 * 10**9
+# A clock sample whose error bound (or round trip) is over an hour says nothing about a clock
+# (NTP's own bound stops at 16 s), and bounds of years broke the fit's float geometry.
+MAX_CLOCK_ERROR_NS = 3600 * 10**9
 MAX_KIND = max(pb.SpanKind.values())
 MAX_STATUS = 2
 
@@ -99,9 +102,12 @@ _TWO_WAY = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE, pb.RPC_PIGGYBACK)
 
 def _sane(s: "pb.ClockSample") -> bool:
     """A clock sample whose times could be readings (as spans' timestamps are checked), with
-    an error bound that is not negative and a two-way exchange that took no negative time
-    at either end: one absurd sample (INT64_MIN) broke every report of its store."""
-    times = (s.t1, s.t2, s.t3, s.t4, s.local_ns, s.offset_ns, s.error_ns)
-    if not all(-MAX_ABS_TIMESTAMP_NS <= t <= MAX_ABS_TIMESTAMP_NS for t in times) or s.error_ns < 0:
+    an error bound of at most an hour and a two-way exchange that took no negative time at
+    either end, nor more than an hour: one absurd sample (INT64_MIN) broke every report of
+    its store."""
+    times = (s.t1, s.t2, s.t3, s.t4, s.local_ns, s.offset_ns)
+    if not all(-MAX_ABS_TIMESTAMP_NS <= t <= MAX_ABS_TIMESTAMP_NS for t in times):
         return False
-    return s.source not in _TWO_WAY or (s.t4 >= s.t1 and s.t3 >= s.t2)
+    if not 0 <= s.error_ns <= MAX_CLOCK_ERROR_NS:
+        return False
+    return s.source not in _TWO_WAY or (0 <= s.t4 - s.t1 <= MAX_CLOCK_ERROR_NS and s.t3 >= s.t2)

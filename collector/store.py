@@ -472,9 +472,10 @@ class Store:
         return out
 
     def dropped_by_node(self) -> dict[str, int]:
-        rows = self.db.execute("SELECT n.node_id, sum(s.dropped) FROM sessions s JOIN nodes n ON n.id = s.node "
-                               "GROUP BY n.node_id")
-        return {node: int(count) for node, count in rows}
+        out: dict[str, int] = {}
+        for node, count in self.db.execute("SELECT n.node_id, s.dropped FROM sessions s JOIN nodes n ON n.id = s.node"):
+            out[node] = out.get(node, 0) + count   # in Python: SQLite's sum() fails beyond int64, which clients reach
+        return out
 
     def rejects(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT reason, count FROM rejects ORDER BY reason"))

@@ -404,9 +404,13 @@ def test_absurd_clock_samples_are_rejected_and_reports_go_on(collector):
         pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 + 300),
         pb.ClockSample(source=pb.NTP, offset_ns=low, error_ns=high, local_ns=low),
         pb.ClockSample(source=pb.UDP_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 - 1),   # t4 < t1
-        pb.ClockSample(source=pb.NTP, offset_ns=5, error_ns=-1, local_ns=10**9)])
+        pb.ClockSample(source=pb.NTP, offset_ns=5, error_ns=-1, local_ns=10**9),
+        # bounds of decades (a float polygon of them came out empty: IndexError in every report),
+        # and a round trip of two hours
+        pb.ClockSample(source=pb.NTP, offset_ns=10**9, error_ns=788643926284085998, local_ns=1),
+        pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 + 7200 * 10**9)])
     acks, err = export(collector.address, [b.SerializeToString()])
-    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"absurd_clock_sample": 3}
+    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"absurd_clock_sample": 5}
     store = Store(collector.store, readonly=True)
     try:
         assert [row[1] for row in store.clock_samples()] == [pb.GRPC_EXCHANGE]
@@ -415,6 +419,44 @@ def test_absurd_clock_samples_are_rejected_and_reports_go_on(collector):
     out = subprocess.run([sys.executable, "-m", "crosstrace", "report", "--store", collector.store],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_what_ingest_keeps_breaks_no_reader(collector, tmp_path):
+    """Spans each fine on their own that together broke the readers: spans that are each
+    other's parent (the HTML page's nesting walk never ended), one trace from -2**62 to
+    2**62 ns (its extent wrapped int64: a crash, or negative durations), a stage count of
+    1e400 (an infinity), and dropped counts whose sum is beyond int64 (SQLite's sum())."""
+    import json
+    import subprocess
+    import sys
+
+    limit, month = 1 << 62, 30 * 24 * 3600 * 10**9
+    looped = batch(2, parent_span_id=np.array([2, 1], "<u8"))
+    wide = batch(2, seq=2, trace_hi=8, first_id=10, start_ns=np.array([-limit, limit - month], "<i8"),
+                 end_ns=np.array([-limit + 500, limit], "<i8"))
+    staged = batch(1, seq=3, trace_hi=9, first_id=20)
+    staged.attributes_json = b'[{"pp.stage":0,"pp.microbatch":0,"pp.action":"F","pp.num_stages":1e400}]'
+    many = [batch(1, seq=1, trace_hi=10, first_id=30 + k, node="dropping") for k in range(2)]
+    for k, b in enumerate(many):
+        b.session_id, b.dropped_spans = bytes([k]) * 16, (1 << 63) - 1
+    for b in (looped, wide, staged, *many):
+        b.clock_samples.extend(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t, t2=t + 100, t3=t + 200, t4=t + 300)
+                               for t in (10**9, 2 * 10**9))
+    for b in (looped, wide, staged, *many):
+        acks, err = export(collector.address, [b.SerializeToString()])
+        assert err is None and acks[0].accepted == b.count
+    for args in (["report", "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")],
+                 ["report", "--trace", f"{7:016x}{9:016x}", "--html", str(tmp_path / "looped.html")],
+                 ["export", "--jsonl", str(tmp_path / "s.jsonl"), "--perfetto", str(tmp_path / "p.json")],
+                 ["clocks"]):
+        out = subprocess.run([sys.executable, "-m", "crosstrace", *args, "--store", collector.store],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["dropped_spans"]["dropping"] == 2 * ((1 << 63) - 1)
+    assert len(report["traces"]) == 4
+    for trace in report["traces"]:
+        assert trace["duration_ns"] >= 0 and all(s["duration_ns"] >= 0 for s in trace["critical_path"])
 
 
 def test_exchanges_are_placed_by_the_collector_clock_that_answered_them(tmp_path):
