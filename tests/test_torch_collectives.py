@@ -53,10 +53,11 @@ def spans(collector) -> list[dict]:
 
 
 def step_traces(rows, job: str) -> dict[str, int]:
-    """trace id -> step number, for the steps of `job`, each trace id the one its job, run
-    and number give."""
+    """trace id -> step number, for the steps of `job`, each trace id the one its job, run,
+    number and round give."""
     steps = [r for r in rows if sc.STEP in (r["a"] or {}) and r["a"].get(sc.JOB_ID) == job]
-    assert steps and all(r["trace"] == f"{step_trace_id(job, r['a'][sc.STEP], r['a'][sc.RUN_ID]):032x}" for r in steps)
+    derived = [step_trace_id(job, r["a"][sc.STEP], r["a"][sc.RUN_ID], r["a"].get(sc.STEP_ROUND, 0)) for r in steps]
+    assert steps and all(r["trace"] == f"{t:032x}" for r, t in zip(steps, derived))
     return {r["trace"]: r["a"][sc.STEP] for r in steps}
 
 
@@ -314,3 +315,37 @@ def test_messages_on_two_groups_pair_within_their_group(collector):
         store.close()
     for send, recv in match(table).p2p.tolist():   # the collector pairs them so too
         assert table.attributes[send][sc.P2P_GROUP] == table.attributes[recv][sc.P2P_GROUP]
+
+
+OWN_TRACE_WORKER = """
+import json, warnings
+import torch, torch.distributed as dist
+from opentelemetry import trace
+import crosstrace
+
+provider = crosstrace.init()
+crosstrace.instrument_collectives()
+dist.init_process_group("gloo")
+tracer = trace.get_tracer("train")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dist.all_reduce(torch.ones(1))                     # in no span: a trace every rank derives
+    with crosstrace.step(0), tracer.start_as_current_span("forward"):
+        dist.all_reduce(torch.ones(1))                 # in a step, under a span of the user's
+    with tracer.start_as_current_span("epoch"):
+        dist.all_reduce(torch.ones(1))                 # in the user's own trace: said once
+        dist.all_reduce(torch.ones(1))
+dist.destroy_process_group()
+print(json.dumps({"flushed": provider.force_flush(30000),
+                  "warnings": [str(w.message) for w in caught if "crosstrace" in str(w.message)]}))
+"""
+
+
+def test_a_collective_in_a_span_of_the_users_own_is_told_once(collector):
+    """Under a span of the user's own and no crosstrace.step, a collective is in that rank's
+    own trace, where the other ranks' side of it never is: said once, with what to do."""
+    for report in run_ranks(OWN_TRACE_WORKER, 2, collector, job_id="own-trace"):
+        assert report["flushed"]
+        assert len(report["warnings"]) == 1, report["warnings"]
+        assert "a collective ran inside the span 'epoch', which is in no crosstrace.step" in report["warnings"][0]
+        assert "crosstrace.step(k)" in report["warnings"][0]

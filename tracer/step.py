@@ -60,6 +60,24 @@ def step_trace_id(job_id: str, k: int | str, run: str = "", round_: int = 0) -> 
     return int.from_bytes(digest, "big") or 1
 
 
+_derived: set = set()   # the trace ids of steps and shared roots this process took lately
+
+
+def _derive(*key) -> int:
+    """step_trace_id(*key), noted as a trace every rank shares (see shared_by_ranks)."""
+    trace_id = step_trace_id(*key)
+    if len(_derived) >= 4096:   # the ones in use now are the ones taken last
+        _derived.clear()
+    _derived.add(trace_id)
+    return trace_id
+
+
+def shared_by_ranks(trace_id: int) -> bool:
+    """Whether `trace_id` is one every rank derives alike (a step's, a shared root's), not
+    one of this rank's own: a collective in it meets the other ranks' side."""
+    return trace_id in _derived
+
+
 _run = None   # this run's id, once agreed (run_id)
 _RUN_KEY = "crosstrace/run_id"
 
@@ -128,7 +146,7 @@ def shared_root(provider, key: str):
     """root_context of a trace every rank derives alike, from the job, the run and `key`
     (a collective's group and number, say): a collective or transfer outside any step
     then has all its ranks' spans in one trace, as a step has."""
-    return root_context(provider, step_trace_id(job_id_of(provider), key, run_id()))
+    return root_context(provider, _derive(job_id_of(provider), key, run_id()))
 
 
 def _origin(trace_id: int, sampled: bool) -> NonRecordingSpan:
@@ -163,7 +181,7 @@ class Step:
         _next_step, _last_step, self.k, round_ = k + 1, k, k, _round
         provider = trace_api.get_tracer_provider()
         job, run = self.job_id or job_id_of(provider), run_id()
-        trace_id = step_trace_id(job, k, run, round_)
+        trace_id = _derive(job, k, run, round_)
         if k % self.every:
             span = _origin(trace_id, sampled=False)
         else:

@@ -65,7 +65,7 @@ from opentelemetry.trace.status import StatusCode
 from ...proto import semconv as sc
 from ..provider import TracerProvider, current_context
 from ..span import Span
-from ..step import active_step, run_id, shared_root
+from ..step import active_step, run_id, shared_by_ranks, shared_root
 
 AVAILABLE = dist.is_available()
 if AVAILABLE:
@@ -146,14 +146,35 @@ def _parent(context=None, step=_NOW, key=None):
     nothing). Given a `step` (the open step, or None, captured earlier), that one is used.
     With neither, the root of the trace every rank derives from `key` (a collective's or a
     transfer's join key; step.shared_root), so that its ranks' spans still meet."""
-    sampled = _sampled(current_context() if context is None else context)
+    ctx = current_context() if context is None else context
+    sampled = _sampled(ctx)
     if sampled is not None:
+        if sampled and key is not None and "own-trace" not in _warned:
+            _in_own_trace(ctx, _JOINED[key[0]])
         return context if sampled else False
     if step is _NOW:
         step = active_step()
     if step is None:
         return context if key is None else shared_root(_tracing().provider, key)
     return step if _sampled(step) else False
+
+
+_JOINED = {"collective": "collective", "p2p": "send or receive", "pipeline.step": "pipeline schedule step"}
+
+
+def _in_own_trace(context, what: str) -> None:
+    """Say once where a collective (a transfer, a pipeline step) runs in a span of the user's
+    own outside any crosstrace.step: it is a child of that span, in this rank's own trace,
+    which no other rank's side of it is in, so the collector cannot join them."""
+    span = context.get(_SPAN_KEY)
+    trace_id = span.trace_id if isinstance(span, Span) else span.get_span_context().trace_id
+    if shared_by_ranks(trace_id) or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    name = getattr(span, "name", type(span).__name__)
+    warn_once("own-trace", f"a {what} ran inside the span {name!r}, which is in no crosstrace.step: it is "
+                           "recorded in this rank's own trace, the other ranks' side of it in theirs, and the "
+                           "collector cannot join them (nor tell waiting from transfer). Wrap each training "
+                           "step in crosstrace.step(k), inside that span or instead of it")
 
 
 def _in_run(attributes: dict) -> dict:
