@@ -242,6 +242,30 @@ def test_export_otlp_to_nowhere_fails_clearly(collector):
     assert "OTLP export to 127.0.0.1:1 failed: UNAVAILABLE" in out.stderr
 
 
+def test_export_otlp_fits_each_request_within_what_receivers_take(collector):
+    """Large spans (prompts in their attributes) went 2000 to a request: 9 MB, refused by a
+    receiver's 4 MiB limit, and the whole export with it. Requests now stay within 3 MB,
+    and a span larger than that alone is left out and said so."""
+    run_python("""
+        import crosstrace
+        provider = crosstrace.init()
+        tracer = provider.get_tracer("t")
+        for i in range(1000):
+            with tracer.start_as_current_span("generate", attributes={"prompt": "p" * 9000}):
+                pass
+        with tracer.start_as_current_span("huge", attributes={"document": "d" * (5 << 20)}):
+            pass
+        assert provider.force_flush(20000)
+    """, tracer_env(collector, "llm", clock_probe_interval_s=0.1), timeout=60)
+    with receiving() as (receiver, port):   # gRPC's default limit: 4 MiB a message
+        out = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", collector.store,
+                              "--otlp", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sent 1,000 spans" in out.stderr and "1 spans larger than 3 MB were left out" in out.stderr
+    assert len(receiver.requests) >= 3 and all(r.ByteSize() <= 3 << 20 for r in receiver.requests)
+    assert sum(len(s.spans) for r in receiver.requests for rs in r.resource_spans for s in rs.scope_spans) == 1000
+
+
 MIXED_CLIENT = """
 import json, subprocess, sys
 from opentelemetry import propagate, trace

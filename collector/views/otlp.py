@@ -33,6 +33,7 @@ class ExportResult:
     spans: int = 0           # sent and accepted
     rejected: int = 0        # the backend's partial_success count
     unplaced: int = 0        # left out: their node has no clock model
+    oversize: int = 0        # left out: larger alone than a request may be
     requests: int = 0
 
 
@@ -106,8 +107,14 @@ def _event_mapper(analysed, node: int):
     return lambda local: int(local)
 
 
+# OTLP/gRPC receivers take messages of 4 MiB by default (gRPC's limit, the OpenTelemetry
+# Collector's and Jaeger's too): requests stay below, with room for the resource.
+MAX_REQUEST_BYTES = 3 << 20
+
+
 def requests(analysed, max_spans: int = 2000, result: ExportResult | None = None):
-    """ExportTraceServiceRequests of at most `max_spans` spans, node by node."""
+    """ExportTraceServiceRequests of at most `max_spans` spans and MAX_REQUEST_BYTES, node by
+    node; a span larger than that alone is left out (and counted)."""
     t, al = analysed.table, analysed.alignment
     result = result if result is not None else ExportResult()
     for node in range(len(t.nodes)):
@@ -118,13 +125,27 @@ def requests(analysed, max_spans: int = 2000, result: ExportResult | None = None
         result.unplaced += int((~placed).sum())
         event_time = _event_mapper(analysed, node)
         res = resource(t.resources[node])
-        keep = np.flatnonzero(placed)
-        for chunk in range(0, len(keep), max_spans):
-            spans = [_span(t, al, int(node_rows[i]), int(start[i]), int(end[i]), event_time)
-                     for i in keep[chunk:chunk + max_spans]]
-            yield otlp.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
-                resource=res, scope_spans=[trace_pb2.ScopeSpans(
-                    scope=common_pb2.InstrumentationScope(name="crosstrace"), spans=spans)])])
+        room = MAX_REQUEST_BYTES - res.ByteSize()
+        spans, size = [], 0
+        for i in np.flatnonzero(placed).tolist():
+            span = _span(t, al, int(node_rows[i]), int(start[i]), int(end[i]), event_time)
+            n = span.ByteSize() + 8   # and its field's tag and length
+            if n > room:
+                result.oversize += 1
+                continue
+            if len(spans) == max_spans or size + n > room:
+                yield _request(res, spans)
+                spans, size = [], 0
+            spans.append(span)
+            size += n
+        if spans:
+            yield _request(res, spans)
+
+
+def _request(res, spans: list) -> "otlp.ExportTraceServiceRequest":
+    return otlp.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
+        resource=res, scope_spans=[trace_pb2.ScopeSpans(
+            scope=common_pb2.InstrumentationScope(name="crosstrace"), spans=spans)])])
 
 
 def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span":

@@ -148,4 +148,6 @@ def export_otlp(endpoint: str, analysed, headers, ca) -> None:
         raise OSError(f"OTLP export to {endpoint} failed: {err.code().name}: {err.details()}") from None
     progress(f"sent {result.spans:,} spans to {endpoint} in {result.requests} request(s)"
              + (f"; the backend rejected {result.rejected:,}" if result.rejected else "")
-             + (f"; {result.unplaced:,} spans of nodes without a clock model were left out" if result.unplaced else ""))
+             + (f"; {result.unplaced:,} spans of nodes without a clock model were left out" if result.unplaced else "")
+             + (f"; {result.oversize:,} spans larger than {otlp.MAX_REQUEST_BYTES >> 20} MB were left out"
+                if result.oversize else ""))
