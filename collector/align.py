@@ -20,7 +20,7 @@ from ..clock_sync.exchange import Bounds
 from ..clock_sync.model import ClockModel, line, unknown
 from ..proto import pb
 from ..proto import semconv as sc
-from .matching import N_X_N, Matches, collective_pattern, match
+from .matching import N_X_N, Matches, answered, collective_pattern, match
 from .spantable import SpanTable
 
 # The one table of assumptions alignment makes.
@@ -210,7 +210,8 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
     if len(matches.rpc):
         client, server = matches.rpc[:, 0], matches.rpc[:, 1]
         parts.append((client, False, server, False))    # the request leaves before it arrives
-        parts.append((server, True, client, True))      # the reply leaves before it arrives
+        replied = answered(table, client)               # the reply leaves before it arrives
+        parts.append((server[replied], True, client[replied], True))
     if len(matches.p2p):   # a receive on a device ends when queued: no fact
         on_host = np.array([_on_host(table.attributes[r], sc.P2P_DEVICE) for r in matches.p2p[:, 1].tolist()],
                            dtype=bool)

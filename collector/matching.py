@@ -36,6 +36,21 @@ def collective_pattern(op: str) -> str | None:
     return None
 
 
+# gRPC statuses a client gives a call it gave up on itself (its deadline, a cancel, a lost
+# connection): no reply of the server's reached it, so the server's end need not come before
+# the client's (a server that noticed the deadline late ended after it), and alignment makes
+# no clock fact of it. The DAG keeps its response edge: until it gave up, the client waited
+# on the server's work, which is what its critical path shows.
+ABANDONED_RPC_STATUSES = frozenset((1, 4, 14))   # CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE
+
+
+def answered(table: SpanTable, clients: np.ndarray) -> np.ndarray:
+    """Per RPC client row: whether the server's reply reached it (not ABANDONED_RPC_STATUSES)."""
+    codes = table.attr(sc.RPC_GRPC_STATUS, clients.tolist())
+    return np.fromiter((code not in ABANDONED_RPC_STATUSES if isinstance(code, int) else True for code in codes),
+                       dtype=bool, count=len(codes))
+
+
 @dataclasses.dataclass
 class Matches:
     rpc: np.ndarray            # (k, 2) int: client row, server row

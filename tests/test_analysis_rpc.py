@@ -1,7 +1,7 @@
 """Ground truth for the network legs: an edge process calls a cloud process over real gRPC
 through the delaying TCP proxy (30 ms up, 10 ms down), with the two clocks off by
 hundreds of ms in opposite directions. Only the clock samples can line the two timelines
-up. Two checks:
+up (and one call the edge gives up at its deadline must not mislead them). Two checks:
 
   - per request, the analysed uplink and downlink equal the true ones within 1 ms and
     within their reported error bound; the truth comes from the raw span times and the
@@ -51,9 +51,14 @@ def infer(request, context):
         time.sleep(0.005)
     return b"logits"
 
+def slow(request, context):
+    time.sleep(0.19)
+    return b"late"
+
 server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), interceptors=[crosstrace.server_interceptor()])
 server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-    "test.Model", {"Infer": grpc.unary_unary_rpc_method_handler(infer)})])
+    "test.Model", {"Infer": grpc.unary_unary_rpc_method_handler(infer),
+                   "Slow": grpc.unary_unary_rpc_method_handler(slow)})])
 port = server.add_insecure_port("127.0.0.1:0")
 server.start()
 print(port, flush=True)
@@ -77,12 +82,19 @@ for _ in range(3):
     warm(b"warm-up", timeout=10)       # connect and settle first, untraced
 time.sleep(0.3)
 infer = crosstrace.instrument_channel(channel).unary_unary("/test.Model/Infer")
+slow = crosstrace.instrument_channel(channel).unary_unary("/test.Model/Slow")
 for i in range(int(sys.argv[2])):
     with tracer.start_as_current_span("request"):
         with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
             time.sleep(0.002)
         infer(b"image", timeout=10)
     time.sleep(0.01)
+    if i == 2:   # a call given up at its deadline: the server ends after the client (no reply came)
+        with tracer.start_as_current_span("deadline"):
+            try:
+                slow(b"image", timeout=0.2)
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 assert provider.force_flush(20000)
 provider.shutdown()
 """
@@ -134,6 +146,10 @@ def test_uplink_and_downlink_through_delaying_proxy(collector):
     clocks = report["clocks"]
     assert abs(clocks["edge"]["offset_ns"] - EDGE_OFFSET_NS) < 1 * MS
     assert abs(clocks["cloud"]["offset_ns"] - CLOUD_OFFSET_NS) < 1 * MS
+    # The call given up at its deadline, whose server span ended after its client span, did
+    # not make a fact of "the reply left before it arrived": it moved the edge's clock 20 ms
+    # beyond its bound (which grew to match), and every request's uplink to 0.
+    assert not clocks["edge"]["flags"] and clocks["edge"]["error_bound_ns"] < 1 * MS
 
 
 def check_summary(report: dict, measured: dict) -> None:
