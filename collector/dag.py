@@ -193,18 +193,20 @@ def _depth(parent: np.ndarray) -> np.ndarray:
     return depth
 
 
-def _next_on_lane(order, lane, start, end, row_base, span: int, on_lane, at, at_base):
+def _on_lane(order, lane, start, end, row_base, span: int, on_lane, at, at_base, before: bool = False):
     """For each query (a lane, a time, the base of its trace's times): the first event of
     `order` (every lane's boundaries in the lane's order, _thread_order) on that lane at or
-    after that time. Returns (the queries that have one, those events); none where one
-    int64 key cannot hold every lane's times (a trace of weeks over thousands of lanes)."""
+    after that time (`before`: the last at or before it). Returns (the queries that have
+    one, those events); none where one int64 key cannot hold every lane's times (a trace of
+    weeks over thousands of lanes)."""
     rows = order >> 1
     if not len(on_lane) or (int(lane.max()) + 1) * (span + 1) >= 1 << 62:
         return np.empty(0, np.int64), np.empty(0, np.int64)
     time = np.where(order & 1, end[rows], start[rows])
     keys = lane[rows] * (span + 1) + (time - row_base[rows])
-    where = np.searchsorted(keys, on_lane * (span + 1) + (at - at_base), "left")
-    found = np.flatnonzero(where < len(keys))
+    query = on_lane * (span + 1) + (at - at_base)
+    where = np.searchsorted(keys, query, "right") - 1 if before else np.searchsorted(keys, query, "left")
+    found = np.flatnonzero((where >= 0) & (where < len(keys)))
     found = found[lane[rows[where[found]]] == on_lane[found]]
     return found, order[where[found]]
 
@@ -275,11 +277,16 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     add(S[parent[child]], S[child], Edge.CHILD_START)
     add(E[child], E[parent[child]], Edge.CHILD_END)
     # A child on another lane of its node (a task the parent awaited, a thread it joined) also
-    # comes before what its parent's lane does next: gather, then more work in the same task.
+    # comes before what its parent's lane does next: gather, then more work in the same task;
+    # and after what that lane did last before it began: the lane started it then (work, then
+    # a grpc.aio call, which runs its client span in a task of grpc's own).
     joined = child[table.node[child] == table.node[parent[child]]]
-    waiter, resumes = _next_on_lane(order, lane, start, end, trace_start[trace], span,
-                                    lane[parent[joined]], end[joined], trace_start[trace[joined]])
+    waiter, resumes = _on_lane(order, lane, start, end, trace_start[trace], span,
+                               lane[parent[joined]], end[joined], trace_start[trace[joined]])
     add(E[joined[waiter]], resumes, Edge.THREAD)
+    started, after = _on_lane(order, lane, start, end, trace_start[trace], span,
+                              lane[parent[joined]], start[joined], trace_start[trace[joined]], before=True)
+    add(after, S[joined[started]], Edge.THREAD)
     client, server = matches.rpc[:, 0], matches.rpc[:, 1]
     add(S[client], S[server], Edge.RPC_REQUEST)
     add(E[server], E[client], Edge.RPC_RESPONSE)

@@ -217,7 +217,7 @@ provider.shutdown()
 """
 
 AIO_CLIENT = """
-import asyncio, sys
+import asyncio, sys, time
 import grpc
 from opentelemetry import trace
 import crosstrace
@@ -231,6 +231,8 @@ async def main():
         await call(b"warm up")
     for _ in range(3):
         with tracer.start_as_current_span("request"):
+            with tracer.start_as_current_span("preprocess", kind=crosstrace.Kind.COMPUTE):
+                time.sleep(0.01)
             await asyncio.gather(*(call(b"x") for call in calls))
 
 asyncio.run(main())
@@ -244,7 +246,8 @@ def test_concurrent_asyncio_calls_each_keep_their_own_path(collector):
     one that computes 5 ms behind a link that holds its reply 80 ms. The request waits for
     the second. The tracer puts each asyncio task on its own lane: on the thread they
     share, the order of the two calls' boundaries said the request's end waited for the
-    first call's end, and the path ran through the 40 ms of compute instead of the link."""
+    first call's end, and the path ran through the 40 ms of compute instead of the link.
+    The request's own preprocessing comes before both calls."""
     servers, ports = [], []
     try:
         for name, compute_ms in (("fast-link", "40"), ("slow-link", "5")):
@@ -271,3 +274,7 @@ def test_concurrent_asyncio_calls_each_keep_their_own_path(collector):
         nodes = {s["node"] for s in t["critical_path"] if s["duration_ns"] > MS}
         assert "slow-link" in nodes and "fast-link" not in nodes, t["critical_path"]
         assert t["attribution"]["network.downlink"] >= 75 * MS
+        # grpc.aio runs each client span in a task of its own: the call still comes after the
+        # preprocessing done before it in the request's task (it was host.overhead)
+        assert sum(s["duration_ns"] for s in t["critical_path"]
+                   if s["node"] == "client" and s["category"] == "compute") >= 9 * MS, t["critical_path"]

@@ -231,6 +231,22 @@ def test_rpc_network_legs_and_clock_uncertainty():
     assert out[0]["attribution"]["clock.uncertainty"] == 9.5 * MS
 
 
+def test_a_call_in_a_task_of_its_own_comes_after_what_its_parents_task_did_first():
+    """grpc.aio runs a client span in a task of its own (another lane): the request's
+    preprocessing before the call is on the path, as with a call on the request's own lane
+    (it was host.overhead: the task had no edge from it)."""
+    s = Spans()
+    root = s.add("request", Kind.INTERNAL, 0, 60, "edge")
+    s.add("preprocess", Kind.COMPUTE, 1, 6, "edge", root)
+    call = s.add("infer", Kind.RPC_CLIENT, 7, 59, "edge", root, thread=2)
+    srv = s.add("infer", Kind.RPC_SERVER, 37, 49.5, "cloud", call)
+    s.add("model", Kind.COMPUTE, 38, 49, "cloud", srv)
+    table, at, out = analyse(s.spans, {"edge": -1, "cloud": -1})
+    check_tiles(at)
+    assert ms(out[0]["attribution"]) == {"compute": 5 + 11, "network.uplink": 30, "network.downlink": 9.5,
+                                         "host.overhead": 1 + 1 + 1 + 0.5 + 1}
+
+
 def test_late_sender_and_late_receiver():
     s = Spans()
     s.add("fwd", Kind.COMPUTE, 0, 5, "a")
