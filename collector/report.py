@@ -307,7 +307,7 @@ PERCENTILES = (50, 95, 99)
 
 def _stats(values: np.ndarray) -> dict:
     """p50/p95/p99 (each an actual sample, as budgets measure them), mean and max, per column."""
-    q = np.percentile(values, PERCENTILES, axis=0, method="inverted_cdf")
+    q = budgets.nearest_rank(values, PERCENTILES)
     out = {f"p{p}_ns": q[i] for i, p in enumerate(PERCENTILES)}
     out.update(mean_ns=values.mean(axis=0), max_ns=values.max(axis=0))
     return out

@@ -65,6 +65,7 @@ max = "1.5s"
     ('[[budget]]\ncategory = "data"\nmeasure = "best"\nmax = "5ms"\n', "expected one of critical_path"),
     ('[[budget]]\nspan = "x"\npercentile = 120\nmax = "5ms"\n', "percentile"),
     ('[[budget]]\nspan = "x"\nmax = "5ms"\ncolour = "red"\n', "unknown keys colour"),
+    ('[[budget]]\nspan = ""\nmax = "5ms"\n', "span is empty"),   # it read as a trace-duration rule
     ('[budget]\nspan = "x"\n', "expected one or more [[budget]] tables"),
     ('budgets = 3\n', "unknown top-level keys: budgets"),
     ('[[budget]\n', "not valid TOML"),
@@ -124,6 +125,17 @@ max = "1ms"
     compute = by_rule["compute <= 80ms"]
     assert compute["ok"] and compute["measured"] == 79 * MS                           # on the critical path
     assert by_rule["no such span <= 1ms"]["status"] == "no_data" and not by_rule["no such span <= 1ms"]["ok"]
+
+
+def test_percentiles_take_the_nearest_rank_exactly(tmp_path):
+    """p99.9 of 1000 samples is the 999th smallest: numpy's float product (99.9 / 100 * 1000 =
+    999.0000000000001) took the 1000th, the one outlier, and failed the gate."""
+    spans = Spans()
+    for i in range(1000):
+        spans.add("op", Kind.COMPUTE, 0, 100 if i == 0 else 1, "n", trace=i + 1)
+    [result] = evaluate(spans.spans, {"n": -1}, '[[budget]]\nspan = "op"\npercentile = 99.9\nmax = "10ms"\n',
+                        tmp_path)
+    assert (result["samples"], result["measured"], result["status"]) == (1000, 1 * MS, "ok")
 
 
 def test_a_value_just_over_its_limit_prints_apart_from_it(tmp_path):
