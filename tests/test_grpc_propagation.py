@@ -726,3 +726,25 @@ def test_a_future_kept_only_by_its_callback_completes(collector):
         server.stop(0)
     assert done == [grpc.StatusCode.OK]
     flush_all({"client": provider})
+
+
+def test_a_future_asked_for_its_result_at_once_completes(collector):
+    """`stub.Method.future(request).result()`: the handle was dropped as soon as its result
+    method was looked up (a method of the call's own), and its finalizer cancelled the call
+    under result(): FutureCancelledError on nearly every call not done by then."""
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="client", udp_clock=False)
+
+    def slow(request, context):
+        time.sleep(0.01)
+        return request
+
+    server, address = sync_server(None, {"Slow": grpc.unary_unary_rpc_method_handler(slow)})
+    try:
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), provider)
+        method = channel.unary_unary("/test.Svc/Slow")
+        assert [method.future(b"x", timeout=10).result() for _ in range(5)] == [b"x"] * 5
+        assert method.future(b"y", timeout=10).code() is not grpc.StatusCode.CANCELLED
+        channel.close()
+    finally:
+        server.stop(0)
+    flush_all({"client": provider})

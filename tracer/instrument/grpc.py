@@ -308,6 +308,19 @@ class _CallHandle:
             pass
 
 
+def _bound_to_handle(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._call, name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# grpc.Future's and grpc.Call's methods, bound to the handle rather than to the call (as
+# __getattr__ would): `stub.Method.future(request).result()` drops the handle as soon as it
+# has the method, and that cancelled the call before result() could return.
+for _name in ("result", "exception", "traceback", "done", "running", "cancelled", "cancel", "code", "details",
+              "initial_metadata", "trailing_metadata", "is_active", "time_remaining", "add_callback"):
+    setattr(_CallHandle, _name, _bound_to_handle(_name))
 grpc.Call.register(_CallHandle)
 grpc.Future.register(_CallHandle)
 
