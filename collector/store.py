@@ -65,6 +65,11 @@ CREATE TABLE IF NOT EXISTS collector_clocks (
     clock TEXT PRIMARY KEY, shift_ns INTEGER NOT NULL, first_used_unix_ns INTEGER NOT NULL);
 """
 _TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA))
+# The rows of a node id (Store._node_row), by two indexed lookups: one query with `OR` scanned
+# every node, 25 ms per new node id at 100k nodes (default node ids are one per process).
+_NODE_ROWS = ("SELECT n.id, n.node_id, c.clock FROM node_clocks c JOIN nodes n ON n.id = c.node WHERE c.base = ? "
+              "UNION ALL SELECT n.id, n.node_id, NULL FROM nodes n WHERE n.node_id = ? "
+              "AND NOT EXISTS (SELECT 1 FROM node_clocks c WHERE c.node = n.id) ORDER BY 1")
 log = logging.getLogger("crosstrace.collector")
 
 
@@ -314,9 +319,7 @@ class Store:
         (an older tracer's) takes the node id's first row; a row no such batch has claimed
         yet is claimed by the first clock that comes."""
         db = self.db
-        rows = db.execute("SELECT n.id, n.node_id, c.clock FROM nodes n LEFT JOIN node_clocks c ON c.node = n.id "
-                          "WHERE c.base = ? OR (c.node IS NULL AND n.node_id = ?) ORDER BY n.id",
-                          (node_id, node_id)).fetchall()
+        rows = db.execute(_NODE_ROWS, (node_id, node_id)).fetchall()
         for row, name, theirs in rows:
             if theirs == clock or not clock:
                 return row, name

@@ -562,3 +562,13 @@ def test_a_store_whose_creation_was_cut_short_opens(tmp_path):
     Store(str(tmp_path / "all.db"))
     gc.collect()
     Store(str(tmp_path / "all.db")).close()
+
+
+def test_a_node_id_is_looked_up_by_index(tmp_path):
+    """Each new node id (one per process by default) looked its rows up with a query whose
+    `OR` scanned every node: 25 ms per new node id at 100k nodes, on the writer thread."""
+    from crosstrace.collector.store import _NODE_ROWS
+
+    with Store(str(tmp_path / "s.db")) as store:
+        plan = [row[3] for row in store.db.execute("EXPLAIN QUERY PLAN " + _NODE_ROWS, ("a", "a"))]
+    assert not [step for step in plan if step.startswith("SCAN")], plan
