@@ -149,6 +149,7 @@ def test_the_next_process_of_a_node_replays_what_the_last_one_left(tmp_path, nod
         finish(second)
         # 3000 spans of the first process (i = 0..2999), 10 of the second (i = 0..9)
         assert stored_indices(collector.store) == sorted(list(range(3000)) + list(range(10)))
+    assert os.listdir(spool) == []   # no folder left behind: one per process under default node ids
 
 
 STREAM = """

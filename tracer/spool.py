@@ -64,7 +64,10 @@ class Spool:
         # Made under a hidden name and locked before it shows: another process's adopt() could
         # otherwise take the new, empty folder for a dead one's and remove it.
         making = os.path.join(node_dir, "." + session_id.hex())
-        os.makedirs(making, exist_ok=True)
+        try:
+            os.makedirs(making, exist_ok=True)
+        except FileNotFoundError:   # the node's folder, just made, removed by a process leaving it empty
+            os.makedirs(making, exist_ok=True)
         if not self._take(making):
             raise OSError(f"spool folder {making} is locked by another process")
         os.replace(making, self.dir)
@@ -166,11 +169,14 @@ class Spool:
         return True
 
     def _release_if_empty(self, folder: str) -> None:
+        """Remove a session folder left with no batch, and its node's folder if that is empty
+        now (one per process, under default node ids: adopt() scanned them all)."""
         try:
             if any(_BATCH.match(name) for name in os.listdir(folder)):
                 return
             os.unlink(os.path.join(folder, _LOCK))
             os.rmdir(folder)
+            os.rmdir(os.path.dirname(folder))
         except OSError:
             pass
         fd = self._held.pop(folder, None)
