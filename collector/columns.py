@@ -5,12 +5,12 @@ ingest and read both go through these views.
 """
 import json
 import math
-import re
 
 import numpy as np
 import orjson
 
 from ..proto import pb
+from ..proto.attributes_json import JSON_WRITTEN
 
 # (field, dtype): one fixed-width little-endian value per span.
 COLUMNS = (
@@ -27,19 +27,15 @@ COLUMNS = (
 )
 
 
-# An integer orjson reads as a float, losing digits: beyond [-2**63, 2**64), so at least 20
-# digits, or 19 after a minus (a match inside a string or a float only costs json's pace).
-_WIDE_INTEGER = re.compile(rb"(?<![0-9.])(?:-[0-9]{19}|[0-9]{20})")
-
-
 def loads(data: bytes):
     """orjson, with json's leniency for NaN and Infinity (what tracers write for a float
     JSON has no number for), which are read as the strings proto3's JSON mapping uses:
     what crosstrace writes for other tools (JSON lines, Perfetto) stays strict JSON.
-    json also reads the integers beyond 64 bits (a UUID's int) that orjson would round.
-    Nesting too deep for either is a ValueError like any other bad JSON."""
+    json reads what json wrote (JSON_WRITTEN): integers beyond 64 bits (a UUID's int),
+    which orjson would round to floats. Nesting too deep for either is a ValueError like
+    any other bad JSON."""
     try:
-        if _WIDE_INTEGER.search(data) is None:
+        if not data.startswith(JSON_WRITTEN):
             return orjson.loads(data)
     except orjson.JSONDecodeError:
         pass

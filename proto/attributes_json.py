@@ -15,13 +15,19 @@ def _json_value(value):
     return str(value)
 
 
+# Leads a document json wrote (integers beyond 64 bits, NaN, ...): its readers read it with
+# json, where orjson would round such integers to floats. JSON allows leading whitespace.
+JSON_WRITTEN = b"\n"
+
+
 def dumps(value) -> bytes:
     """UTF-8 JSON. orjson is ~5x faster than json, and plain orjson (string keys, JSON
     types) twice as fast again as with the options that take the rest; json takes what
-    orjson refuses (integers beyond 64 bits). orjson writes a NaN or an infinity as null,
-    which would hide a loss gone NaN: where it wrote more nulls than a batch has spans
-    without attributes, and a value is a NaN or an infinity, json writes the whole document
-    again, with NaN and Infinity (which the collector reads)."""
+    orjson refuses (integers beyond 64 bits), and its document starts with JSON_WRITTEN.
+    orjson writes a NaN or an infinity as null, which would hide a loss gone NaN: where it
+    wrote more nulls than a batch has spans without attributes, and a value is a NaN or an
+    infinity, json writes the whole document again, with NaN and Infinity (which the
+    collector reads)."""
     try:
         data = orjson.dumps(value)
     except TypeError:
@@ -32,8 +38,8 @@ def dumps(value) -> bytes:
     if data is not None and (data.count(b"null") == _nones(value) or not _non_finite(value)):
         return data
     try:   # a lone surrogate (which orjson refuses) is written as '?': UTF-8 has no such character
-        return json.dumps(value, separators=(",", ":"), default=_json_value,
-                          ensure_ascii=False).encode("utf-8", "replace")
+        return JSON_WRITTEN + json.dumps(value, separators=(",", ":"), default=_json_value,
+                                         ensure_ascii=False).encode("utf-8", "replace")
     except TypeError:   # keys json cannot write: orjson's text of them, nulls and all
         if data is None:
             raise

@@ -23,5 +23,6 @@ def test_attribute_json_is_orjsons_unless_a_float_is_not_finite():
     plain = [None, {"a": 1, "s": '{"x": null} é', "n": None}, {"l": [1.0, None]}, None]
     assert dumps(plain) == orjson.dumps(plain)
     assert dumps([None, {"l": [1.0, math.nan]}, {"d": {"x": -math.inf}}]) == \
-        b'[null,{"l":[1.0,NaN]},{"d":{"x":-Infinity}}]'
-    assert dumps([{"big": 1 << 70, "s": "é", "x": math.inf}]) == '[{"big":1180591620717411303424,"s":"é","x":Infinity}]'.encode()
+        b'\n[null,{"l":[1.0,NaN]},{"d":{"x":-Infinity}}]'     # json's: marked for json to read back
+    assert dumps([{"big": 1 << 70, "s": "é", "x": math.inf}]) == \
+        '\n[{"big":1180591620717411303424,"s":"é","x":Infinity}]'.encode()
