@@ -153,6 +153,25 @@ def test_spans_are_flushed_at_interpreter_exit(collector):
     assert len(load_table(collector.store)) == 500
 
 
+def test_providers_made_and_shut_down_leave_no_hooks_behind(collector):
+    """Each provider registered an exit hook, a fork hook and a multiprocessing one for good
+    (tests and notebooks make many); the live ones now share one of each. Those still open at
+    exit are flushed."""
+    out = run_python("""
+        import atexit, crosstrace
+        before = atexit._ncallbacks()
+        for i in range(50):
+            p = crosstrace.TracerProvider(node_id=f"p{i}", exit_flush_timeout_s=5)
+            with p.get_tracer("t").start_as_current_span("made", attributes={"i": i}):
+                pass
+            if i < 49:
+                p.shutdown()
+        print(atexit._ncallbacks() - before)   # the last one is left open: the exit hook flushes it
+    """, env=tracer_env(collector, "many"))
+    assert out.stdout.split() == ["0"]
+    assert sorted(a["i"] for a in load_table(collector.store).attributes) == list(range(50))
+
+
 def test_force_flush_reports_failure_when_collector_is_unreachable():
     p = crosstrace.TracerProvider(endpoint="127.0.0.1:9", node_id="nowhere")
     with p.get_tracer("t").start_as_current_span("lost"):

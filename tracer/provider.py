@@ -362,9 +362,7 @@ class TracerProvider(trace_api.TracerProvider):
         self._shutdown = False
         self._flushed = True
         self._lock = threading.Lock()
-        me = weakref.ref(self)
-        atexit.register(_exit_hook, me)
-        os.register_at_fork(after_in_child=lambda: _after_fork(me))
+        _providers.add(self)   # for the process's exit and fork hooks (below)
         # multiprocessing children (DataLoader workers) leave by os._exit, skipping atexit, and
         # clear finalizers made at fork time; a finalizer made by its after-fork hook does run.
         mp_util.register_after_fork(self, _flush_on_multiprocessing_exit)
@@ -420,11 +418,29 @@ class TracerProvider(trace_api.TracerProvider):
             self._exporter = self._exporter.restart_after_fork()
 
 
-def _exit_hook(ref) -> None:
+# The live providers, for one exit hook and one fork hook for them all: a pair per provider
+# stayed registered for good (fork() ran every one made so far).
+_providers: "weakref.WeakSet[TracerProvider]" = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    for provider in list(_providers):
+        _exit_hook(provider)
+
+
+def _after_fork() -> None:
+    for provider in list(_providers):
+        provider._after_fork_in_child()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _exit_hook(provider: TracerProvider) -> None:
     """Flush at exit, and say what did not reach the collector: a job that ran without one
     exited quietly, its spans lost."""
-    provider = ref()
-    if provider is None or provider.shutdown() or provider._exporter is None:
+    if provider.shutdown() or provider._exporter is None:
         return   # (a shutdown() of the program's own that failed is reported here too)
     spooled, lost = provider._exporter.unacked_spans()
     cfg = provider.config
@@ -434,12 +450,6 @@ def _exit_hook(ref) -> None:
     if lost:
         log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged: lost",
                     lost, cfg.endpoint)
-
-
-def _after_fork(ref) -> None:
-    provider = ref()
-    if provider is not None:
-        provider._after_fork_in_child()
 
 
 def _flush_on_multiprocessing_exit(provider: TracerProvider) -> None:
