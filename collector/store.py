@@ -33,6 +33,9 @@ from .dedup import RecentKeys, span_keys
 from .ingest import CheckedBatch
 
 SCHEMA_VERSION = 1
+# Clock samples read before a report's window (Store.keep_last): the fits of the spans at its
+# start see samples on both sides (a fit's window is 300 s).
+CLOCK_CONTEXT_NS = 600 * 10**9
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,8 +53,11 @@ CREATE TABLE IF NOT EXISTS segments (
     id INTEGER PRIMARY KEY, node INTEGER NOT NULL, received_ns INTEGER NOT NULL,
     n INTEGER NOT NULL, data BLOB NOT NULL,
     traces BLOB NOT NULL);  -- sorted distinct trace_id_hi values: finds a trace's segments
+CREATE INDEX IF NOT EXISTS segments_received ON segments (received_ns);
+-- batches with spans, for resends (one of clock samples only is not kept: a resend adds samples again)
 CREATE TABLE IF NOT EXISTS batches (
     session_id BLOB NOT NULL, seq INTEGER NOT NULL, accepted INTEGER NOT NULL, duplicates INTEGER NOT NULL,
+    received_ns INTEGER NOT NULL DEFAULT 0,   -- added to stores begun without it (Store._open)
     PRIMARY KEY (session_id, seq)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS clock_samples (
     node INTEGER NOT NULL, source INTEGER NOT NULL, peer TEXT NOT NULL,
@@ -59,6 +65,7 @@ CREATE TABLE IF NOT EXISTS clock_samples (
     offset_ns INTEGER, error_ns INTEGER, server TEXT, received_ns INTEGER NOT NULL,
     peer_clock TEXT);   -- added to stores begun without it (Store._open)
 CREATE INDEX IF NOT EXISTS clock_samples_node ON clock_samples (node, local_ns);
+CREATE INDEX IF NOT EXISTS clock_samples_received ON clock_samples (received_ns);
 CREATE TABLE IF NOT EXISTS rejects (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
 -- the clocks collectors wrote this store on, and what each is shifted by onto its timeline
 CREATE TABLE IF NOT EXISTS collector_clocks (
@@ -141,6 +148,7 @@ class Store:
         self._writer_lock = None
         self._node_ids: dict[tuple[str, str], tuple[int, str]] = {}   # (node id, clock) -> (row, name)
         self.recent = RecentKeys(window)
+        self.since_ns = None   # keep_last: what is read
         self.now = now
         self.clock = clock or clock_domain()   # a writer's: the clock its collector answers probes on
         self.shift_ns = 0
@@ -176,15 +184,20 @@ class Store:
             self.db.executescript(_SCHEMA)
             if "peer_clock" not in self._columns("clock_samples"):   # a store begun before it
                 self.db.execute("ALTER TABLE clock_samples ADD COLUMN peer_clock TEXT")
+            if "received_ns" not in self._columns("batches"):        # likewise
+                self.db.execute("ALTER TABLE batches ADD COLUMN received_ns INTEGER NOT NULL DEFAULT 0")
         self.db.execute("PRAGMA cache_size=-131072")
 
     def _columns(self, table: str) -> set[str]:
         return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
 
+    def _tables(self) -> set[str]:
+        return {name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
     def _check_kind(self) -> None:
         """Refuse what is not a store of this version before anything is written to it:
         another program's SQLite database, or (to read) an empty one."""
-        tables = {name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = self._tables()
         if "meta" not in tables:
             if tables:
                 raise ValueError(f"{self.path} is an SQLite database but not a crosstrace store")
@@ -362,8 +375,9 @@ class Store:
         if accepted:
             self._write_segment(checked, keep, node, now)
             self._pending.add(keys[keep])
-        if batch.session_id:
-            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?)", (batch.session_id, batch.seq, accepted, duplicates))
+        if batch.session_id and batch.count:
+            db.execute("INSERT INTO batches (session_id, seq, accepted, duplicates, received_ns) VALUES (?, ?, ?, ?, ?)",
+                       (batch.session_id, batch.seq, accepted, duplicates, now))
         return WriteResult(accepted, duplicates)
 
     def _sample_row(self, node: int, s: "pb.ClockSample", now: int) -> tuple | None:
@@ -433,17 +447,28 @@ class Store:
             return set()
         return {base for (base,) in rows}
 
+    def keep_last(self, duration_ns: int) -> None:
+        """Read only the spans that arrived within `duration_ns` of the last to arrive, and the
+        clock samples from CLOCK_CONTEXT_NS before those on (what the clock fits around them
+        need): a report of a store written for weeks costs what its window holds."""
+        newest = self.db.execute("SELECT max(received_ns) FROM segments").fetchone()[0]
+        if newest is not None:
+            self.since_ns = newest - duration_ns
+
     def segments(self, trace_prefixes: list[str] | None = None):
-        """Yield (node, SpanBatch) for every stored segment, or those that may hold a trace
-        whose id starts with one of these lowercase hex prefixes (a segment lists the high
-        halves of its trace ids only)."""
+        """Yield (node, SpanBatch) for every stored segment (since keep_last's window), or
+        those that may hold a trace whose id starts with one of these lowercase hex prefixes
+        (a segment lists the high halves of its trace ids only)."""
+        since = (self.since_ns,) if self.since_ns is not None else (np.iinfo(np.int64).min,)
         if trace_prefixes is None:
-            for node, data in self.db.execute("SELECT node, data FROM segments ORDER BY id"):
+            for node, data in self.db.execute("SELECT node, data FROM segments WHERE received_ns >= ? ORDER BY id",
+                                              since):
                 yield node, pb.SpanBatch.FromString(data)
             return
         # The prefix's first 16 digits, as a value of the high half shifted right.
         heads = [(np.uint64(4 * (16 - len(p[:16]))), np.uint64(int(p[:16], 16))) for p in trace_prefixes]
-        for seg_id, traces in self.db.execute("SELECT id, traces FROM segments ORDER BY id").fetchall():
+        for seg_id, traces in self.db.execute("SELECT id, traces FROM segments WHERE received_ns >= ? ORDER BY id",
+                                              since).fetchall():
             his = np.frombuffer(traces, "<u8")
             if any(np.any((his >> shift) == value) for shift, value in heads):
                 node, data = self.db.execute("SELECT node, data FROM segments WHERE id = ?", (seg_id,)).fetchone()
@@ -456,8 +481,10 @@ class Store:
         clock's row ("<node id>#2", ...), and one that does not (an RPC's) cannot say which
         clock it met and is left out."""
         peer_clock = "peer_clock" if "peer_clock" in self._columns("clock_samples") else "NULL"
+        since = np.iinfo(np.int64).min if self.since_ns is None else self.since_ns - CLOCK_CONTEXT_NS
         rows = self.db.execute("SELECT node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, server, "
-                               f"{peer_clock} FROM clock_samples ORDER BY node, local_ns").fetchall()
+                               f"{peer_clock} FROM clock_samples WHERE received_ns >= ? ORDER BY node, local_ns",
+                               (since,)).fetchall()
         reused = self.reused_node_ids()
         if not reused:
             return [row[:11] for row in rows]
@@ -473,6 +500,25 @@ class Store:
                 row = (*row[:2], peer, *row[3:])
             out.append(row[:11])
         return out
+
+    def expire(self, older_than_ns: int) -> int:
+        """Delete what arrived over `older_than_ns` ago (the collector's --retain): spans, clock
+        samples and the records of batches with spans. Returns the spans deleted."""
+        cutoff = self.now() - older_than_ns
+        with self._lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                spans = db.execute("SELECT coalesce(sum(n), 0) FROM segments WHERE received_ns < ?",
+                                   (cutoff,)).fetchone()[0]
+                for table in ("segments", "clock_samples", "batches"):
+                    db.execute(f"DELETE FROM {table} WHERE received_ns < ?", (cutoff,))
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        return spans
 
     def dropped_by_node(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -572,3 +572,61 @@ def test_a_node_id_is_looked_up_by_index(tmp_path):
     with Store(str(tmp_path / "s.db")) as store:
         plan = [row[3] for row in store.db.execute("EXPLAIN QUERY PLAN " + _NODE_ROWS, ("a", "a"))]
     assert not [step for step in plan if step.startswith("SCAN")], plan
+
+
+def test_a_window_reads_the_newest_data_and_retention_deletes_the_oldest(tmp_path):
+    """A store written for weeks: a report reads what arrived in its last DURATION (and the
+    clock samples just before), and `--retain` deletes what is older; batches of clock
+    samples only (an idle tracer's, every 10 s) leave no record to delete."""
+    from crosstrace.collector.ingest import check
+
+    hour = 3600 * 10**9
+    clock = [0]
+    path = str(tmp_path / "s.db")
+    with Store(path, now=lambda: clock[0]) as store:
+        for k in range(3):                       # spans and samples an hour apart
+            clock[0] = k * hour
+            b = batch(10, seq=2 * k + 1, first_id=100 * k + 1, trace_hi=k + 1)
+            b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100,
+                                                  t3=10**9 + 200, t4=10**9 + 300))
+            idle = batch(0, seq=2 * k + 2)
+            idle.clock_samples.extend(b.clock_samples)
+            store.write([check(b), check(idle)])
+        assert store.db.execute("SELECT count(*) FROM batches").fetchone()[0] == 3
+    with Store(path, readonly=True) as store:
+        store.keep_last(90 * 60 * 10**9)
+        assert [seg.count for _, seg in store.segments()] == [10, 10]           # the last two hours' spans
+        assert len(store.clock_samples()) == 4                                  # and their samples
+        assert [seg.count for _, seg in store.segments(["0000000000000003"])] == [10]
+    with Store(path, now=lambda: clock[0]) as store:
+        assert store.expire(90 * 60 * 10**9) == 10
+        assert store.span_count() == 20 and len(store.clock_samples()) == 4
+        assert store.db.execute("SELECT count(*) FROM batches").fetchone()[0] == 2
+
+
+def test_report_last_and_collector_retain_from_the_command_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from crosstrace.collector.ingest import check
+    from crosstrace.launch import CollectorProcess
+
+    clock, path = [0], str(tmp_path / "weeks.db")
+    with Store(path, now=lambda: clock[0]) as store:
+        for k, n in enumerate((5, 3)):                     # two days apart
+            clock[0] = k * 2 * 86400 * 10**9
+            store.write([check(batch(n, seq=k + 1, trace_hi=k + 1, first_id=10 * k + 1))])
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "report", "--store", path, "--last", "1d",
+                          "--json", "-"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [t["spans"] for t in json.loads(out.stdout)["traces"]] == [3]
+
+    with CollectorProcess(str(tmp_path / "s.db"), extra_args=("--retain", "2s")) as collector:
+        acks, _ = export(collector.address, [batch(5).SerializeToString()])
+        assert acks[0].accepted == 5
+        deadline = time.monotonic() + 20
+        while span_count(collector.store) and time.monotonic() < deadline:   # checked every 0.5 s
+            time.sleep(0.2)
+        assert span_count(collector.store) == 0

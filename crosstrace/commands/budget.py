@@ -2,6 +2,8 @@
 import argparse
 import json
 
+from .report import add_window
+
 EXAMPLE = """\
 budget file (TOML), one [[budget]] table per limit:
 
@@ -44,13 +46,14 @@ def register(sub) -> None:
     check.add_argument("--trace", action="append", metavar="TRACE_ID",
                        help="only this trace: its id or a unique prefix, any case (repeatable)")
     check.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
+    add_window(check)
     check.set_defaults(func=run_check)
 
 
 def run_check(args) -> int:
     from .report import analyse_report
 
-    report, _, _ = analyse_report(args.store, args.trace, quiet=True, budget_file=args.budget)
+    report, _, _ = analyse_report(args.store, args.trace, quiet=True, budget_file=args.budget, last=args.last)
     results = report["budgets"]
     if args.json:
         text = json.dumps(results, indent=1)

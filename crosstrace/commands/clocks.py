@@ -3,7 +3,7 @@ import json
 import sys
 
 from ..collector.report import analyse_store, clocks_section
-from ..collector.store import Store
+from .report import add_window, open_store
 
 
 def register(sub) -> None:
@@ -14,12 +14,13 @@ def register(sub) -> None:
                                    "sources and flags.")
     p.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     p.add_argument("--json", action="store_true", help="print the clocks section as JSON")
+    add_window(p)
     p.set_defaults(func=run)
 
 
-def clocks(store_path: str) -> tuple[dict, dict]:
-    """(clocks section, summary of the causality check) for a store."""
-    store = Store(store_path, readonly=True)
+def clocks(store_path: str, last: int | None = None) -> tuple[dict, dict]:
+    """(clocks section, summary of the causality check) for a store (its last `last` ns of data)."""
+    store = open_store(store_path, last)
     try:
         alignment = analyse_store(store).alignment
     finally:
@@ -28,7 +29,7 @@ def clocks(store_path: str) -> tuple[dict, dict]:
 
 
 def run(args) -> int:
-    section, check = clocks(args.store)
+    section, check = clocks(args.store, args.last)
     if args.json:
         json.dump({"clocks": section, "causality": check}, sys.stdout, indent=1)
         print()

@@ -11,7 +11,7 @@ from ..collector import security
 from ..collector.relay import Relay
 from ..collector.server import Collector
 from ..proto.endpoint import split_host_port
-from .report import positive
+from .report import duration, positive
 
 
 def register(sub) -> None:
@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--max-streams", type=positive, default=1024,
                    help="concurrent calls served (default %(default)s); each tracer process holds one export "
                         "stream while it runs, and beyond this clients are told to retry")
+    p.add_argument("--retain", type=duration, metavar="DURATION",
+                   help="delete spans and clock samples that arrived over DURATION ago (7d, 12h, ...); by "
+                        "default the store keeps everything")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     sec = p.add_argument_group("security")
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
@@ -71,7 +74,7 @@ def run_args(args) -> int:
         options = {"forward": Relay(upstream.cfg.node_id, upstream, clock), "now": relay_clock.now, "clock": clock}
     try:
         return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
-                   tokens=tokens, max_streams=args.max_streams, warning=warning, **options)
+                   tokens=tokens, max_streams=args.max_streams, warning=warning, retain_ns=args.retain, **options)
     finally:
         if upstream is not None:
             upstream.shutdown(upstream.cfg.exit_flush_timeout_s)
@@ -94,9 +97,12 @@ def _upstream(args):
 
 
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
-        progress_interval_s: float = 10.0, warning: str | None = None, **options) -> int:
+        progress_interval_s: float = 10.0, warning: str | None = None, retain_ns: int | None = None,
+        **options) -> int:
     """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, max_streams,
-    forward, now, clock). `warning` (about exposure) is printed once the server is up."""
+    forward, now, clock). `warning` (about exposure) is printed once the server is up. With
+    `retain_ns`, what arrived longer ago is deleted as it ages (checked a few times per
+    retention period, at most every 10 s)."""
     collector = Collector(store, listen, sync=sync, **options).start()
     stop = threading.Event()
 
@@ -118,10 +124,15 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
                 "within the wall clock's error", sys.stderr)
         stats = collector.service.stats
         last, last_t = 0, time.monotonic()
-        while not stop.wait(progress_interval_s):
-            if quiet:
-                continue
+        tick = progress_interval_s if retain_ns is None else min(progress_interval_s, max(0.5, retain_ns / 4e9))
+        while not stop.wait(tick):
+            if retain_ns is not None:
+                expired = collector.store.expire(retain_ns)
+                if expired and not quiet:
+                    say(f"deleted {expired:,} spans that arrived over {retain_ns / 1e9:,.0f} s ago")
             now = time.monotonic()
+            if quiet or now - last_t < progress_interval_s - tick / 2:
+                continue
             with stats.lock:
                 spans, nodes, rejected = stats.spans, len(stats.nodes), sum(stats.rejected.values())
             if spans != last:

@@ -23,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--budget", metavar="FILE",
                    help="check these latency budgets (TOML; see `crosstrace budget check --help`) and "
                         "include them in the report")
+    add_window(p)
     p.set_defaults(func=run_report)
 
     p = sub.add_parser("export", help="write spans on the aligned timeline for other tools",
@@ -44,6 +45,7 @@ def register(sub) -> None:
     p.add_argument("--otlp-ca", metavar="PEM", help="CA bundle that signed the https:// backend's certificate")
     p.add_argument("--trace", action="append", metavar="TRACE_ID",
                    help="only this trace: its id or a unique prefix, any case (repeatable)")
+    add_window(p)
     p.set_defaults(func=run_export)
 
 
@@ -52,14 +54,15 @@ def build_report(store_path: str, trace_ids=None, quiet: bool = False):
     return report, analysed
 
 
-def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_file: str | None = None):
-    """(report dict, Analysed, Attribution) of a store; budgets from `budget_file` if given."""
+def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_file: str | None = None,
+                   last: int | None = None):
+    """(report dict, Analysed, Attribution) of a store (its last `last` ns of data); budgets
+    from `budget_file` if given."""
     from ..collector import attribution, budgets
     from ..collector import report as report_mod
-    from ..collector.store import Store
 
     budget_list = budgets.load(budget_file) if budget_file else None
-    store = Store(store_path, readonly=True)
+    store = open_store(store_path, last)
     try:
         analysed = report_mod.analyse_store(store, trace_ids, progress=None if quiet else progress)
         if not quiet:
@@ -74,7 +77,7 @@ def run_report(args) -> int:
     from ..collector.views import terminal
 
     report, analysed, attributed = analyse_report(args.store, args.trace, quiet=args.json == "-",
-                                                  budget_file=args.budget)
+                                                  budget_file=args.budget, last=args.last)
     if args.html:
         from ..collector.views import html
 
@@ -94,7 +97,6 @@ def run_report(args) -> int:
 
 def run_export(args) -> int:
     from ..collector import report as report_mod
-    from ..collector.store import Store
     from ..collector.views import jsonl, perfetto
 
     if not (args.jsonl or args.perfetto or args.otlp):
@@ -102,7 +104,7 @@ def run_export(args) -> int:
     if args.jsonl == args.perfetto == "-":
         raise ValueError("--jsonl and --perfetto cannot both go to stdout ('-')")
     headers = [_header(h) for h in args.otlp_header]
-    store = Store(args.store, readonly=True)
+    store = open_store(args.store, args.last)
     try:
         analysed = report_mod.analyse_store(store, args.trace, progress=progress)
     finally:
@@ -120,6 +122,38 @@ def run_export(args) -> int:
 
 def _shown(path: str) -> str:
     return "stdout" if path == "-" else path
+
+
+_DURATION_UNITS = {"ms": 10**6, "s": 10**9, "min": 60 * 10**9, "h": 3600 * 10**9, "d": 86400 * 10**9}
+
+
+def duration(text: str) -> int:
+    """argparse type of a duration such as 90s, 15min, 2h or 7d, in ns."""
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is None or unit not in _DURATION_UNITS or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d")
+    return round(value * _DURATION_UNITS[unit])
+
+
+def add_window(p) -> None:
+    p.add_argument("--last", type=duration, metavar="DURATION",
+                   help="only the spans that reached the store in its last DURATION of data (90s, 15min, 2h, "
+                        "7d): a store kept for weeks costs what the window holds")
+
+
+def open_store(path: str, last: int | None = None):
+    """The store to read, restricted to its last `last` ns of data when given."""
+    from ..collector.store import Store
+
+    store = Store(path, readonly=True)
+    if last is not None:
+        store.keep_last(last)
+    return store
 
 
 def positive(text: str) -> int:
