@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS collector_clocks (
     clock TEXT PRIMARY KEY, shift_ns INTEGER NOT NULL, first_used_unix_ns INTEGER NOT NULL);
 """
 _TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA))
+_NODE_CACHE = 65536   # node ids whose rows a writer keeps at hand
 # The rows of a node id (Store._node_row), by two indexed lookups: one query with `OR` scanned
 # every node, 25 ms per new node id at 100k nodes (default node ids are one per process).
 _NODE_ROWS = ("SELECT n.id, n.node_id, c.clock FROM node_clocks c JOIN nodes n ON n.id = c.node WHERE c.base = ? "
@@ -318,6 +319,8 @@ class Store:
         key = (resource.node_id, resource.labels.get(CLOCK_LABEL, ""))
         known = self._node_ids.get(key)
         if known is None:
+            if len(self._node_ids) >= _NODE_CACHE:   # one node id per process by default: bounded
+                self._node_ids.clear()
             known = self._node_ids[key] = self._node_row(*key, now)
         node, name = known
         if name != resource.node_id:

@@ -630,3 +630,19 @@ def test_report_last_and_collector_retain_from_the_command_line(tmp_path):
         while span_count(collector.store) and time.monotonic() < deadline:   # checked every 0.5 s
             time.sleep(0.2)
         assert span_count(collector.store) == 0
+
+
+def test_the_writers_node_cache_is_bounded(tmp_path, monkeypatch):
+    """One node id per process by default: a collector that ran for weeks kept every one."""
+    from crosstrace.collector import store as store_mod
+    from crosstrace.collector.ingest import check
+
+    monkeypatch.setattr(store_mod, "_NODE_CACHE", 2)
+    with Store(str(tmp_path / "s.db")) as store:
+        for i, k in enumerate([*range(5), 0]):   # host/0 again: found, not made again
+            b = batch(1, seq=1, node=f"host/{k}", first_id=i + 1)
+            b.session_id = bytes([i + 1]) * 16
+            store.write([check(b)])
+            assert len(store._node_ids) <= 2
+        assert sorted(r.node_id for r in store.nodes().values()) == [f"host/{k}" for k in range(5)]
+        assert store.span_count() == 6

@@ -133,11 +133,12 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
             now = time.monotonic()
             if quiet or now - last_t < progress_interval_s - tick / 2:
                 continue
-            with stats.lock:
+            with stats.lock:   # the nodes of this interval only: a set of every node id ever grew for good
                 spans, nodes, rejected = stats.spans, len(stats.nodes), sum(stats.rejected.values())
+                stats.nodes.clear()
             if spans != last:
                 rate = (spans - last) / (now - last_t)
-                say(f"stored {spans:,} spans from {nodes} node(s) ({rate:,.0f}/s)"
+                say(f"stored {spans:,} spans ({rate:,.0f}/s from {nodes} node(s) lately)"
                     + (f", rejected {rejected:,}" if rejected else ""))
             last, last_t = spans, now
         say("crosstrace collector stopping", sys.stderr)
