@@ -11,6 +11,7 @@ import orjson
 
 from ..proto import pb
 from ..proto.attributes_json import JSON_WRITTEN
+from ..proto.attributes_json import dumps as write_json
 
 # (field, dtype): one fixed-width little-endian value per span.
 COLUMNS = (
@@ -160,8 +161,8 @@ def take(batch: "pb.SpanBatch", cols: dict[str, np.ndarray], keep: np.ndarray,
         setattr(out, field, cols[field][keep].tobytes())
     out.strings.extend(batch.strings)
     index = np.flatnonzero(keep)
-    out.attributes_json = dumps([attributes[i] for i in index])
+    out.attributes_json = write_json([attributes[i] for i in index])   # what loads() reads back exactly
     remap = {int(old): new for new, old in enumerate(index)}
     kept = [[remap[i], extra] for i, extra in extras.items() if i in remap]
-    out.extras_json = dumps(kept) if kept else b""
+    out.extras_json = write_json(kept) if kept else b""
     return out

@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS batches (
     session_id BLOB NOT NULL, seq INTEGER NOT NULL, accepted INTEGER NOT NULL, duplicates INTEGER NOT NULL,
     received_ns INTEGER NOT NULL DEFAULT 0,   -- added to stores begun without it (Store._open)
     PRIMARY KEY (session_id, seq)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS batches_received ON batches (received_ns);
 CREATE TABLE IF NOT EXISTS clock_samples (
     node INTEGER NOT NULL, source INTEGER NOT NULL, peer TEXT NOT NULL,
     t1 INTEGER, t2 INTEGER, t3 INTEGER, t4 INTEGER, local_ns INTEGER,
@@ -159,6 +160,9 @@ class Store:
                 self._open(sync)
                 if not readonly:
                     self.now = self._timeline(now, self.clock)
+                    # records of a store begun before they had a time count as received now, so
+                    # that the first --retain keeps them for a while (resends are told by them)
+                    self.db.execute("UPDATE batches SET received_ns = ? WHERE received_ns = -1", (self.now(),))
                     self._load_recent_keys()
             except sqlite3.DatabaseError as exc:    # OperationalError too (a full disk, say)
                 raise ValueError(self._cannot_open(exc)) from None
@@ -182,11 +186,11 @@ class Store:
             self.db.execute("PRAGMA journal_mode=WAL")
             # NORMAL: a commit survives the collector being killed; FULL: also a power loss.
             self.db.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
+            if "batches" in self._tables() and "received_ns" not in self._columns("batches"):   # begun before it
+                self.db.execute("ALTER TABLE batches ADD COLUMN received_ns INTEGER NOT NULL DEFAULT -1")
             self.db.executescript(_SCHEMA)
             if "peer_clock" not in self._columns("clock_samples"):   # a store begun before it
                 self.db.execute("ALTER TABLE clock_samples ADD COLUMN peer_clock TEXT")
-            if "received_ns" not in self._columns("batches"):        # likewise
-                self.db.execute("ALTER TABLE batches ADD COLUMN received_ns INTEGER NOT NULL DEFAULT 0")
         self.db.execute("PRAGMA cache_size=-131072")
 
     def _columns(self, table: str) -> set[str]:

@@ -341,6 +341,15 @@ def test_report_limit_must_be_positive(tmp_path):
     assert result.returncode == 2 and "argument --limit: must be 1 or more, got -1" in result.stderr
 
 
+@pytest.mark.parametrize("command,value", [("report", "1e400s"), ("clocks", "5x"), ("collector", "300000d")])
+def test_durations_are_checked_where_they_are_given(tmp_path, command, value):
+    """An infinite --last raised OverflowError, and a --retain of 800 centuries passed the
+    parser and stopped the collector at its first tick (beyond SQLite's integers)."""
+    option = "--retain" if command == "collector" else "--last"
+    result = crosstrace(command, "--store", str(tmp_path / "s.db"), option, value)
+    assert result.returncode == 2 and f"{value!r} is not a duration like 90s" in result.stderr
+
+
 def test_report_of_many_nodes_lists_the_ones_to_look_at(collector):
     """40 nodes, 14 of them dropping spans: the terminal lists 16 clocks and 8 dropping nodes
     (most dropped first), and says where the rest are."""

@@ -646,3 +646,36 @@ def test_the_writers_node_cache_is_bounded(tmp_path, monkeypatch):
             assert len(store._node_ids) <= 2
         assert sorted(r.node_id for r in store.nodes().values()) == [f"host/{k}" for k in range(5)]
         assert store.span_count() == 6
+
+
+def test_wide_integers_survive_a_batch_stored_in_part(collector):
+    """A batch with a rejected span is stored rewritten: its JSON too must say that it holds
+    integers beyond 64 bits, or they read back as rounded floats."""
+    from crosstrace.proto.attributes_json import dumps
+
+    wide = 24197857161011715162171839636988778105
+    b = batch(2, end_ns=np.array([10**9 + 500, 10**9 - 1], "<i8"))   # the second ends before it starts
+    b.attributes_json = dumps([{"uuid": wide}, {"uuid": 1}])
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err is None and acks[0].accepted == 1
+    with Store(collector.store, readonly=True) as store:
+        [(_, segment)] = list(store.segments())
+    from crosstrace.collector.columns import loads
+    assert loads(segment.attributes_json) == [{"uuid": wide}]
+
+
+def test_records_of_a_store_begun_before_they_had_a_time_are_kept_a_while(tmp_path):
+    """A store of the version before: its batch records were given time 0 and went at the
+    first --retain, and a resend of a batch stored seconds before was no longer told apart."""
+    from crosstrace.collector.ingest import check
+
+    path = str(tmp_path / "old.db")
+    with Store(path) as store:
+        store.write([check(batch(3))])
+        store.db.execute("DROP INDEX batches_received")
+        store.db.execute("ALTER TABLE batches DROP COLUMN received_ns")   # as that version wrote it
+    with Store(path) as store:
+        store.expire(3600 * 10**9)
+        assert store.write([check(batch(3))])[0].resent
+        plan = [row[3] for row in store.db.execute("EXPLAIN QUERY PLAN DELETE FROM batches WHERE received_ns < 0")]
+        assert not [step for step in plan if step.startswith("SCAN")], plan   # each tick finds them by index

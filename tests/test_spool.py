@@ -283,3 +283,28 @@ def test_a_relay_under_sync_full_puts_each_spooled_batch_on_disk(tmp_path, monke
             assert exporter._spool.fsync == (sync == "full")
         finally:
             exporter.shutdown(0.5)
+
+
+def test_a_node_folder_removed_while_adopting_costs_nothing(tmp_path, monkeypatch):
+    """Node folders go when their last process leaves them empty: one gone between adopt()'s
+    listing and its scan made the whole scan fail, and a dead process's batches stayed."""
+    from crosstrace.tracer import spool as spool_mod
+
+    root = tmp_path / "spool"
+    dead = spool_mod.Spool(str(root), "dead", b"d" * 16)
+    dead.write(b"batch", 7, 1)
+    for fd in dead._held.values():   # its process is gone: its lock is free
+        os.close(fd)
+    dead._held.clear()
+    (root / "leaving").mkdir()
+    real = os.scandir
+
+    def scandir(path):
+        entries = list(real(path))
+        if os.path.samefile(path, root):   # another process removes its empty node folder now
+            (root / "leaving").rmdir()
+        return iter(entries)
+
+    monkeypatch.setattr(spool_mod.os, "scandir", scandir)
+    found = spool_mod.Spool(str(root), "next", b"n" * 16).adopt()
+    assert [(item.seq, item.spans) for item in found] == [(7, 1)]

@@ -203,8 +203,8 @@ class SpanExtras:
 
 def own_attributes(attributes) -> dict:
     """A copy of `attributes` that the caller cannot change any more, since the values are
-    read when the span is exported: lists become tuples (as in OpenTelemetry's SDK), nested
-    ones too, and nested dicts are copied."""
+    read when the span is exported: lists become tuples (as in OpenTelemetry's SDK), and
+    dicts are copied, with the lists and dicts in them."""
     attributes = dict(attributes)
     if not _CONTAINERS.isdisjoint(map(type, attributes.values())):
         for key, value in attributes.items():
@@ -217,15 +217,17 @@ _CONTAINERS = frozenset((list, tuple, dict))
 
 
 def frozen(value):
-    """An attribute value as it is now, for good: lists and tuples as tuples, dicts copied,
-    all the way down (a tuple of plain values is itself)."""
+    """An attribute value as it is now, for good: a list as a tuple (at C speed: the values
+    OpenTelemetry allows in one are plain), a dict copied all the way down (a dict inside
+    itself one level only: its span alone then fails to encode, nothing is raised here)."""
     kind = value.__class__
+    if kind is list:
+        return tuple(value)
     if kind is dict:
-        return {key: frozen(item) if item.__class__ in _CONTAINERS else item for key, item in value.items()}
-    if kind is tuple and _CONTAINERS.isdisjoint(map(type, value)):
-        return value
-    if kind is list or kind is tuple:
-        return tuple(frozen(item) if item.__class__ in _CONTAINERS else item for item in value)
+        try:
+            return {key: frozen(item) if item.__class__ in _CONTAINERS else item for key, item in value.items()}
+        except RecursionError:
+            return dict(value)
     return value
 
 

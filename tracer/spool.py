@@ -124,9 +124,15 @@ class Spool:
         found = []
         try:
             nodes = [entry.path for entry in os.scandir(self.root) if entry.is_dir()]
-            sessions = sorted((entry for node in nodes for entry in os.scandir(node)), key=_mtime)
         except OSError:
             return found
+        sessions = []
+        for node in nodes:
+            try:
+                sessions.extend(os.scandir(node))
+            except OSError:   # gone meanwhile: its last process left it empty (_release_if_empty)
+                continue
+        sessions.sort(key=_mtime)
         for entry in sessions:
             if (not entry.is_dir() or entry.name.startswith(".") or entry.path == self.dir
                     or not self._take(entry.path)):

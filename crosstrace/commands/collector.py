@@ -132,6 +132,9 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
                     say(f"deleted {expired:,} spans that arrived over {retain_ns / 1e9:,.0f} s ago")
             now = time.monotonic()
             if quiet or now - last_t < progress_interval_s - tick / 2:
+                if quiet:
+                    with stats.lock:   # kept for the progress line only
+                        stats.nodes.clear()
                 continue
             with stats.lock:   # the nodes of this interval only: a set of every node id ever grew for good
                 spans, nodes, rejected = stats.spans, len(stats.nodes), sum(stats.rejected.values())

@@ -128,16 +128,16 @@ _DURATION_UNITS = {"ms": 10**6, "s": 10**9, "min": 60 * 10**9, "h": 3600 * 10**9
 
 
 def duration(text: str) -> int:
-    """argparse type of a duration such as 90s, 15min, 2h or 7d, in ns."""
+    """argparse type of a duration such as 90s, 15min, 2h or 7d, in ns (at most 100 years)."""
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(number):]
     try:
-        value = float(number)
-    except ValueError:
+        value = float(number) * _DURATION_UNITS[unit]
+    except (ValueError, KeyError):
         value = None
-    if value is None or unit not in _DURATION_UNITS or not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d")
-    return round(value * _DURATION_UNITS[unit])
+    if value is None or not 0 < value <= 100 * 365 * _DURATION_UNITS["d"]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d (up to 100 years)")
+    return round(value)
 
 
 def add_window(p) -> None:
