@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - another grpc layout: imported on first
 from ..proto import pb
 from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
-from .clock_probe import ClockProber, add_piggyback_sample
+from .clock_probe import ClockProber, add_piggyback_samples
 from .encode import FIELDS, batches, encode_spans, encoded_size
 from .spool import Spool
 
@@ -317,13 +317,14 @@ class Exporter:
                 self._send_spans([column[:half] for column in part], dropped)
                 self._send_spans([column[half:] for column in part], dropped)
                 return
-        into, samples = batch.clock_samples, self.queue.samples
+        into, samples, trailers = batch.clock_samples, self.queue.samples, []
         while samples:
             sample = samples.popleft()
             if type(sample) is tuple:      # an RPC's raw clock trailer, parsed off the RPC's path
-                add_piggyback_sample(into, *sample)
+                trailers.append(sample)
             else:
                 into.append(sample)
+        add_piggyback_samples(into, trailers)
         self._sent_dropped = dropped
         self._send(batch, n)
 

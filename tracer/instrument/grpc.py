@@ -204,7 +204,7 @@ def _client_finish(b: _Binding, span, t1, t4, code, trailing, details) -> None:
     if t1 is not None and trailing:
         for key, value in trailing:
             if key == CLOCK_KEY:
-                b.add_sample((t1, t4, value))   # parsed by the exporter thread (clock_probe.add_piggyback_sample)
+                b.add_sample((t1, t4, value))   # parsed by the exporter thread (clock_probe.add_piggyback_samples)
                 break
     if code is _OK:
         span.set_attribute(sc.RPC_GRPC_STATUS, 0)
