@@ -96,6 +96,7 @@ class ClockProber:
 # are what the fit keeps of a window anyway. A busy channel samples one call every 10 ms:
 # 8.6M rows a day in the store, 6 GB for a day's report to read.
 RPC_SAMPLES_PER_PEER = 4
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def add_piggyback_samples(samples, raw: list) -> None:
@@ -108,6 +109,8 @@ def add_piggyback_samples(samples, raw: list) -> None:
         try:
             t2, t3, node = trailer.split(" ", 2)
             t2, t3 = int(t2), int(t3)
+            if not (_INT64_MIN <= t2 <= _INT64_MAX and _INT64_MIN <= t3 <= _INT64_MAX):
+                raise ValueError("beyond int64")
         except (ValueError, AttributeError, TypeError):
             log.debug("crosstrace: ignoring a malformed clock trailer %r", trailer)
             continue
@@ -115,7 +118,10 @@ def add_piggyback_samples(samples, raw: list) -> None:
     for node, found in by_peer.items():
         peer = unquote(node)
         for _, t1, t2, t3, t4 in heapq.nsmallest(RPC_SAMPLES_PER_PEER, found):
-            samples.add(source=pb.RPC_PIGGYBACK, peer=peer, t1=t1, t2=t2, t3=t3, t4=t4, local_ns=t1)
+            try:   # nothing a server sent may fail the batch, and its spans with it
+                samples.add(source=pb.RPC_PIGGYBACK, peer=peer, t1=t1, t2=t2, t3=t3, t4=t4, local_ns=t1)
+            except ValueError:
+                log.debug("crosstrace: ignoring a clock trailer from %r", node)
 
 
 class _UdpChannel:
