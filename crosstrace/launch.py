@@ -9,6 +9,10 @@ import threading
 import time
 
 _LISTENING = re.compile(r"listening on (\S+),")
+# Python children of crosstrace's own (the collector, the demo's workers) import the installed
+# package, not a `crosstrace` folder where they run: from a clone of the repository (the
+# README's quick start) `-m` found the clone's face package, without its subpackages.
+CHILD_FLAGS = ("-P",)
 
 
 class CollectorProcess:
@@ -17,7 +21,7 @@ class CollectorProcess:
     def __init__(self, store: str, listen: str = "127.0.0.1:0", extra_args: tuple = (),
                  timeout_s: float = 30.0, env: dict | None = None):
         self.store = store
-        cmd = [sys.executable, "-m", "crosstrace", "collector", "--listen", listen, "--store", store,
+        cmd = [sys.executable, *CHILD_FLAGS, "-m", "crosstrace", "collector", "--listen", listen, "--store", store,
                "--quiet", *extra_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})}, start_new_session=True)  # stopped by us, not Ctrl-C

@@ -407,3 +407,24 @@ def test_names_with_square_brackets_are_shown_as_they_are(collector):
         assert "edge[/dev0]" in result.stdout
     report = crosstrace("report", "--store", collector.store, run_as=("env", "COLUMNS=200"))
     assert "fwd[stage1]" in report.stdout and "encoder.layers[/3]" in report.stdout
+
+
+def test_children_run_the_installed_package_wherever_they_start(tmp_path, monkeypatch):
+    """From a clone of the repository (the README's quick start, a plain install), `python -m
+    crosstrace` in the collector and the demo's workers found the clone's `crosstrace` folder
+    first, which lacks its subpackages there: the demo stopped at its collector."""
+    from crosstrace.demo.workers import Workers
+    from crosstrace.launch import CollectorProcess
+
+    shadow = tmp_path / "crosstrace"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the folder where the command runs')\n")
+    monkeypatch.chdir(tmp_path)
+    with CollectorProcess(str(tmp_path / "s.db")) as collector:
+        workers = Workers(collector, 0)
+        try:
+            assert workers.start(["-c", "import crosstrace.proto; print('listening on', crosstrace.__name__)"],
+                                 dict(os.environ), wait_listening=True) == "crosstrace"
+        finally:
+            for proc in workers.procs:
+                proc.wait(30)

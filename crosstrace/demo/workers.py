@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from ..launch import CollectorProcess, free_port
+from ..launch import CHILD_FLAGS, CollectorProcess, free_port
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ class Workers:
 
     def start(self, args: list[str], env: dict, wait_listening: bool = False, timeout_s: float = 60) -> str | None:
         # A session of its own: Ctrl-C in the terminal reaches the demo alone, which stops its workers.
-        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True,
+        proc = subprocess.Popen([sys.executable, *CHILD_FLAGS, *args], env=env, stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)
         self.procs.append(proc)
         if not wait_listening:
