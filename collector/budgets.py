@@ -229,6 +229,11 @@ def format_value(entry: dict, value, digits: int = 4) -> str:
     return f"{value * 100:.{digits - 1}g}%" if entry["unit"] == "share" else format_ns(value, digits)
 
 
+def format_worst(entry: dict) -> str:
+    """The traces with the worst samples, each by its id's first 16 digits and its value."""
+    return ", ".join(f"{w['trace_id'][:16]} ({format_value(entry, w['value'])})" for w in entry["worst"]) or "-"
+
+
 def format_measured(entry: dict) -> tuple[str, str]:
     """(measured, limit) with the digits it takes to tell them apart: a value just over its
     limit printed as the limit itself beside VIOLATED."""

@@ -12,6 +12,7 @@ is answered from the `batches` table without storing anything, and every span is
 checked against the window of recently stored spans (collector/dedup.py).
 """
 import collections
+import contextlib
 import dataclasses
 import fcntl
 import itertools
@@ -289,27 +290,36 @@ class Store:
         """Commit a group of checked batches in one transaction; returns one result per batch."""
         now = self.now()
         with self._lock:
-            db = self.db
-            db.execute("BEGIN IMMEDIATE")
             self._pending = RecentKeys(capacity=1 << 62)   # keys written in this transaction
             try:
-                results = [self._write_one(b, now) for b in batches]
-                rejects = collections.Counter(rejected_whole or {})
-                for b, result in zip(batches, results):
-                    if not result.resent:
-                        rejects.update(b.rejected)
-                if rejects:
-                    db.executemany("INSERT INTO rejects VALUES (?, ?) ON CONFLICT(reason) "
-                                   "DO UPDATE SET count = count + excluded.count", rejects.items())
-                db.execute("COMMIT")
+                with self._transaction() as db:
+                    results = [self._write_one(b, now) for b in batches]
+                    rejects = collections.Counter(rejected_whole or {})
+                    for b, result in zip(batches, results):
+                        if not result.resent:
+                            rejects.update(b.rejected)
+                    if rejects:
+                        db.executemany("INSERT INTO rejects VALUES (?, ?) ON CONFLICT(reason) "
+                                       "DO UPDATE SET count = count + excluded.count", rejects.items())
             except BaseException:
-                if db.in_transaction:   # SQLite ends it itself on some errors (a full disk)
-                    db.execute("ROLLBACK")
                 self._node_ids.clear()   # ids cached in the transaction may be rolled back with it
                 raise
             for keys in self._pending.runs:  # only committed spans enter the window
                 self.recent.add(keys)
         return results
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One write transaction (the caller holds self._lock), rolled back where it fails."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:   # SQLite ends it itself on some errors (a full disk)
+                db.execute("ROLLBACK")
+            raise
 
     def record_rejects(self, rejects: collections.Counter) -> None:
         """Count batches rejected whole (they never reach write())."""
@@ -512,19 +522,10 @@ class Store:
         """Delete what arrived over `older_than_ns` ago (the collector's --retain): spans, clock
         samples and the records of batches with spans. Returns the spans deleted."""
         cutoff = self.now() - older_than_ns
-        with self._lock:
-            db = self.db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                spans = db.execute("SELECT coalesce(sum(n), 0) FROM segments WHERE received_ns < ?",
-                                   (cutoff,)).fetchone()[0]
-                for table in ("segments", "clock_samples", "batches"):
-                    db.execute(f"DELETE FROM {table} WHERE received_ns < ?", (cutoff,))
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
+        with self._lock, self._transaction() as db:
+            spans = db.execute("SELECT coalesce(sum(n), 0) FROM segments WHERE received_ns < ?", (cutoff,)).fetchone()[0]
+            for table in ("segments", "clock_samples", "batches"):
+                db.execute(f"DELETE FROM {table} WHERE received_ns < ?", (cutoff,))
         return spans
 
     def dropped_by_node(self) -> dict[str, int]:

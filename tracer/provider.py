@@ -65,7 +65,7 @@ _INTERNAL = trace_api.SpanKind.INTERNAL
 # SpanKind members are singletons; keyed by id() they are found without Enum.__hash__,
 # which is Python code and costs more than the rest of the lookup.
 _OTEL_KIND_BY_ID = {id(kind): code for kind, code in OTEL_KIND.items()}
-_KIND_CODES = {int(kind): int(kind) for kind in Kind}
+_KINDS = frozenset(Kind)
 
 
 class Tracer(trace_api.Tracer):
@@ -171,7 +171,7 @@ def _kind_code(kind) -> int:
     INTERNAL for anything else (None, say), as nothing is raised into the caller."""
     code = _OTEL_KIND_BY_ID.get(id(kind))
     if code is None:
-        code = _KIND_CODES.get(kind, 0) if isinstance(kind, int) else 0
+        code = int(kind) if isinstance(kind, int) and kind in _KINDS else 0
     return code
 
 

@@ -78,7 +78,7 @@ class Span:
     def set_attribute(self, key: str, value) -> None:
         if self.end_ns:
             return
-        if value.__class__ in _CONTAINERS:   # kept as it is now: the caller may reuse it
+        if value.__class__ in _MUTABLE:   # kept as it is now: the caller may reuse it
             value = frozen(value)
         if self.attributes is None:
             self.attributes = {key: value}
@@ -206,14 +206,14 @@ def own_attributes(attributes) -> dict:
     read when the span is exported: lists become tuples (as in OpenTelemetry's SDK), and
     dicts are copied, with the lists and dicts in them."""
     attributes = dict(attributes)
-    if not _CONTAINERS.isdisjoint(map(type, attributes.values())):
+    if not _MUTABLE.isdisjoint(map(type, attributes.values())):
         for key, value in attributes.items():
-            if value.__class__ in _CONTAINERS:
+            if value.__class__ in _MUTABLE:
                 attributes[key] = frozen(value)
     return attributes
 
 
-_CONTAINERS = frozenset((list, tuple, dict))
+_MUTABLE = frozenset((list, dict))   # the values frozen() copies
 
 
 def frozen(value):
@@ -225,7 +225,7 @@ def frozen(value):
         return tuple(value)
     if kind is dict:
         try:
-            return {key: frozen(item) if item.__class__ in _CONTAINERS else item for key, item in value.items()}
+            return {key: frozen(item) if item.__class__ in _MUTABLE else item for key, item in value.items()}
         except RecursionError:
             return dict(value)
     return value

@@ -25,6 +25,7 @@ OpenTelemetry API means starting the span under a remote parent of that id, whic
 providers keep (never recorded); crosstrace's starts the step span as a root of its trace
 on each rank.
 """
+import contextlib
 import hashlib
 import os
 import sys
@@ -216,11 +217,8 @@ class Step:
 
     def _leave(self):
         """Close the step, wherever it is among the open ones (steps on threads end in any order)."""
-        with _open_lock:
-            for i in range(len(_open) - 1, -1, -1):
-                if _open[i] is self._context:
-                    del _open[i]
-                    break
+        with _open_lock, contextlib.suppress(ValueError):   # (left already: a second exit)
+            _open.remove(self._context)   # each step's own Context (its own span): found by identity
         detach_quietly(self._token)   # a steps() loop may be closed under another context
         return self.span
 

@@ -156,13 +156,13 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
 
 
 def _budgets(report: dict) -> str:
-    from ..budgets import format_measured, format_value
+    from ..budgets import format_measured, format_worst
 
     if not report.get("budgets"):
         return "<p>No budgets given (<code>--budget FILE</code>).</p>"
     rows = []
     for b in report["budgets"]:
-        worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(b, w['value'])})" for w in b["worst"]) or "-"
+        worst = format_worst(b)
         measured, limit = format_measured(b)
         rows.append(f'<tr><td>{html.escape(b["name"])}</td><td>{html.escape(b["rule"])}</td>'
                     f'<td class="num">{measured}</td><td class="num">{limit}</td>'

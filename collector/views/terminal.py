@@ -199,7 +199,7 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
 
 
 def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
-    from ..budgets import format_measured, format_value, verdict
+    from ..budgets import format_measured, format_worst, verdict
 
     console = console or Console()
     table = Table(title=f"budgets ({n_traces} traces)", title_justify="left")
@@ -207,7 +207,7 @@ def render_budgets(results: list[dict], n_traces: int, console: Console | None =
         table.add_column(col, justify="right" if col in ("measured", "limit", "samples") else "left")
     styles = {"ok": "[green]ok[/]", "violated": "[bold red]VIOLATED[/]", "no_data": "[red]no data[/]"}
     for r in results:
-        worst = ", ".join(f"{w['trace_id'][:16]} ({format_value(r, w['value'])})" for w in r["worst"]) or "-"
+        worst = format_worst(r)
         label = r["rule"] if r["name"] == r["rule"] else f"{r['name']}: {r['rule']}"
         table.add_row(escape(label), *format_measured(r), str(r["samples"]), styles[r["status"]], worst)
     console.print(table)

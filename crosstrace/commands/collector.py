@@ -131,15 +131,12 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
                 if expired and not quiet:
                     say(f"deleted {expired:,} spans that arrived over {retain_ns / 1e9:,.0f} s ago")
             now = time.monotonic()
-            if quiet or now - last_t < progress_interval_s - tick / 2:
-                if quiet:
-                    with stats.lock:   # kept for the progress line only
-                        stats.nodes.clear()
+            if now - last_t < progress_interval_s - tick / 2:
                 continue
             with stats.lock:   # the nodes of this interval only: a set of every node id ever grew for good
                 spans, nodes, rejected = stats.spans, len(stats.nodes), sum(stats.rejected.values())
                 stats.nodes.clear()
-            if spans != last:
+            if spans != last and not quiet:
                 rate = (spans - last) / (now - last_t)
                 say(f"stored {spans:,} spans ({rate:,.0f}/s from {nodes} node(s) lately)"
                     + (f", rejected {rejected:,}" if rejected else ""))
