@@ -1,12 +1,14 @@
 """Clock samples: two-way probes to the collector, and NTP / PTP readings when configured.
 
-The exporter thread calls probe_if_due(): every clock_probe_interval_s a burst of UDP
-probes (the collector answers on its gRPC port's number, with kernel receive
-timestamps) and a burst over gRPC. Each probe waits for its answer with a short
-timeout, so an unreachable collector costs the exporter a fraction of a second.
-NTP servers and ptp4l are read on a thread of their own (an NTP server may be slow or
-gone). Every time comes from the node's Clock, simulated offset and drift included; the
-samples travel with the next span batch.
+Every clock_probe_interval_s a thread of its own sends a burst of UDP probes (the
+collector answers on its gRPC port's number, with kernel receive timestamps) and a burst
+over gRPC. Not the exporter's thread: a probe waits for its answer, and while the traced
+program keeps the GIL busy each wait ends only at a GIL switch (a burst took 157 ms, 7 ms
+idle), which held up the export until the queue was full and spans were dropped. Each
+probe waits with a short timeout, so an unreachable collector costs a fraction of a second.
+NTP servers and ptp4l are read on another thread (an NTP server may be slow or gone).
+Every time comes from the node's Clock, simulated offset and drift included; the samples
+travel with the next span batch.
 """
 import heapq
 import logging
@@ -26,6 +28,7 @@ log = logging.getLogger("crosstrace.tracer")
 
 _CLOCK_METHOD = "/crosstrace.v1.Collector/ExchangeClock"
 _PROBE_TIMEOUT_S = 0.2
+_FIRST_BURST_S = 0.2         # the first burst, as the exporter's first round: soon after start
 _UDP_GIVE_UP_AFTER = 3       # bursts without any answer before the UDP channel is left alone
 
 
@@ -35,15 +38,56 @@ class ClockProber:
         self.clock = clock
         self.samples = samples          # deque drained into the next batch
         self._get_channel = get_channel
-        self._next = 0.0
         self._udp = _UdpChannel(cfg.endpoint, clock) if cfg.udp_clock else None
         self._sources = _SourceReader(cfg, clock, samples) if (cfg.ntp_servers or cfg.ptp_uds) else None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._warned = False
+        self._bursts = threading.Condition(threading.Lock())
+        self._started = self._finished = 0     # bursts, for probe_now()
+        self._thread = threading.Thread(target=self._run, name="crosstrace-clock-probe", daemon=True)
+        self._thread.start()
 
-    def probe_if_due(self) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + self.cfg.clock_probe_interval_s
+    def probe_now(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for a burst that starts after this call (at exit: a
+        short-lived process then still has samples close to its last spans)."""
+        with self._bursts:
+            target = self._started + 1
+            self._wake.set()
+            self._bursts.wait_for(lambda: self._finished >= target or self._stopping, timeout_s)
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(_PROBE_TIMEOUT_S)
+        if self._udp is not None:
+            self._udp.close()
+        if self._sources is not None:
+            self._sources.stop()
+
+    def _run(self) -> None:
+        wait = min(self.cfg.clock_probe_interval_s, _FIRST_BURST_S)
+        while True:
+            self._wake.wait(wait)
+            self._wake.clear()
+            wait = self.cfg.clock_probe_interval_s
+            with self._bursts:
+                if self._stopping:
+                    self._bursts.notify_all()
+                    return
+                self._started += 1
+            try:
+                self._burst()
+            except Exception as exc:  # a failed probe costs samples, never spans
+                if not self._warned:
+                    self._warned = True
+                    log.warning("crosstrace: clock probe error: %r", exc)
+            with self._bursts:
+                self._finished += 1
+                self._bursts.notify_all()
+
+    def _burst(self) -> None:
         if self._sources is not None:
             self._sources.start()
         udp_samples = []
@@ -58,17 +102,6 @@ class ClockProber:
         for sample in udp_samples:   # UDP answers do not name their clock: the gRPC ones of this round do
             sample.peer_clock = clock
         self.samples.extend(udp_samples)
-
-    def due_now(self) -> None:
-        """Probe on the exporter thread's next round (at exit: a short-lived process then
-        still has samples close to its last spans)."""
-        self._next = 0.0
-
-    def close(self) -> None:
-        if self._udp is not None:
-            self._udp.close()
-        if self._sources is not None:
-            self._sources.stop()
 
     def _grpc_burst(self) -> str:
         """Probe over gRPC; returns the name of the clock that answered ("" if none did, or

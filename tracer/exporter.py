@@ -158,6 +158,13 @@ class Exporter:
         self._spool = self._open_spool()
         self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel)
         queue.wake = self._wake.set
+        try:
+            # Opened here, before the program goes on: opened at the first full batch, the
+            # stream's threads each waited for a GIL switch of a busy loop, which filled the
+            # queue meanwhile (9,458 spans lost 70 ms after init).
+            self._ensure_stream()
+        except Exception as exc:   # an unreadable TLS file: said once, retried on the exporter thread
+            self._warn_once("export", f"crosstrace: export error: {exc!r}")
         self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
         self._thread.start()
 
@@ -191,13 +198,13 @@ class Exporter:
     def shutdown(self, timeout_s: float) -> bool:
         """A last clock-probe burst, the last flush, then stop (within timeout_s)."""
         deadline = time.monotonic() + timeout_s
-        self._prober.due_now()
-        flushed = self.flush(timeout_s)
+        self._prober.probe_now(timeout_s / 2)
+        flushed = self.flush(max(0.0, deadline - time.monotonic()))
         self._stopping = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        self._close_stream()
         self._prober.close()
+        self._close_stream()
         if self._spool is not None:
             try:
                 self._spill(everything=True)  # the next process that spools there replays what is left
@@ -259,11 +266,6 @@ class Exporter:
             stopping = self._stopping
             with self._lock:
                 flushes, self._pending_flushes = self._pending_flushes, []
-            if not stopping:
-                try:
-                    self._prober.probe_if_due()
-                except Exception as exc:  # a failed probe costs samples, never spans
-                    self._warn_once("probe", f"crosstrace: clock probe error: {exc!r}")
             sent = False
             try:
                 self._send_queued()
@@ -447,9 +449,11 @@ class Exporter:
         return requests
 
     def _get_channel(self) -> grpc.Channel:
-        if self._channel is None:
-            self._channel = open_channel(self.cfg)
-        return self._channel
+        """The one channel, opened at first use by the exporter or the clock prober."""
+        with self._lock:
+            if self._channel is None:
+                self._channel = open_channel(self.cfg)
+            return self._channel
 
     def _read_acks(self, call, requests) -> None:
         try:
