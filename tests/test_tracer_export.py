@@ -290,6 +290,42 @@ def test_clock_probes_never_hold_up_the_export(collector):
     assert len(probes) >= 2 * 8     # bursts ran meanwhile: the loop did not just starve them
 
 
+def test_spans_ended_during_shutdown_are_dropped_and_counted(collector):
+    """Threads that go on ending spans while the tracer shuts down (or the program exits):
+    those spans were left in a queue nothing took out any more, neither stored nor counted."""
+    out = run_python("""
+        import threading, time, crosstrace
+        p = crosstrace.init()
+        t = p.get_tracer("t")
+        produced, stop = [0] * 4, threading.Event()
+        def produce(i):
+            while not stop.is_set():
+                for _ in range(20):
+                    with t.start_as_current_span("late"):
+                        pass
+                produced[i] += 20
+                time.sleep(0.001)
+        threads = [threading.Thread(target=produce, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)
+        flushed = p.shutdown()
+        time.sleep(0.1)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        print(sum(produced), p.dropped_spans, flushed)
+    """, env=tracer_env(collector, "late"))
+    produced, dropped, flushed = out.stdout.split()
+    store = Store(collector.store, readonly=True)
+    try:
+        assert store.span_count() + int(dropped) == int(produced)
+    finally:
+        store.close()
+    assert flushed == "True" and int(dropped) > 0
+    assert "spans that ended while the tracer shut down were dropped" in out.stderr
+
+
 def test_disabled_tracer_records_nothing():
     provider = crosstrace.TracerProvider(node_id="off", disabled=True)
     tracer = provider.get_tracer("t")

@@ -47,6 +47,7 @@ MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 4   # a batch larger than this goes in pa
 # (DataLoader workers): with the first round at once, children forked at start-up failed 3
 # times in about 65 runs (a half-imported grpc module, a lost flush, a crash in gRPC).
 _FIRST_ROUND_S = 0.2
+_EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
 
 
 class ExportQueue:
@@ -198,7 +199,7 @@ class Exporter:
     def shutdown(self, timeout_s: float) -> bool:
         """A last clock-probe burst, the last flush, then stop (within timeout_s)."""
         deadline = time.monotonic() + timeout_s
-        self._prober.probe_now(timeout_s / 2)
+        self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         flushed = self.flush(max(0.0, deadline - time.monotonic()))
         self._stopping = True
         self._wake.set()
