@@ -405,6 +405,11 @@ class TracerProvider(trace_api.TracerProvider):
             self._shutdown = True
         if self._exporter is None:
             return True
+        for settle in _before_shutdown:
+            try:
+                settle()
+            except Exception as exc:  # instrumentation's; never fails the shutdown
+                log.warning("crosstrace: %r before shutdown failed: %r", settle, exc)
         # Spans ending from now on (threads still running, tracers bound before) are dropped
         # and counted: the last batch would miss them, or nothing would take them out of the
         # queue any more (they were lost uncounted: 340-2000 spans of threads running on).
@@ -431,6 +436,17 @@ class TracerProvider(trace_api.TracerProvider):
 # The live providers, for one exit hook and one fork hook for them all: a pair per provider
 # stayed registered for good (fork() ran every one made so far).
 _providers: "weakref.WeakSet[TracerProvider]" = weakref.WeakSet()
+
+
+# Instrumentation that ends its spans on other threads after the traced call returned (DDP's
+# bucket callbacks) settles them here, briefly, before the queue closes to spans.
+_before_shutdown: list = []
+
+
+def before_shutdown(settle) -> None:
+    """Have every provider's shutdown call `settle()` first (once registered, for good)."""
+    if settle not in _before_shutdown:
+        _before_shutdown.append(settle)
 
 
 def _at_exit() -> None:

@@ -63,7 +63,7 @@ from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
-from ..provider import TracerProvider, current_context
+from ..provider import TracerProvider, before_shutdown, current_context
 from ..span import Span
 from ..step import active_step, run_id, shared_by_ranks, shared_root
 
@@ -1076,7 +1076,9 @@ class _InFlight:
     where the pass's last bucket completes. The backend drops its callbacks after completing
     the future, and dropping one takes the GIL, which aborts the process if the interpreter
     is already finalizing (a short script that exits right after its last backward). So the
-    buckets not dropped yet are counted, and at exit crosstrace waits for them, briefly."""
+    buckets not dropped yet are counted, and at exit crosstrace waits for them, briefly; and
+    so does the tracer's shutdown, which the loop may reach before the last pass's callbacks
+    ran (the reducer's wait returns before them): their spans would be dropped."""
 
     __slots__ = ("tracer", "index", "seq", "nbytes", "params", "issued", "backward_start", "context", "step",
                  "thread", "pass_", "end", "future", "error")
@@ -1092,6 +1094,7 @@ class _InFlight:
         if not _InFlight._exit_hook:
             _InFlight._exit_hook = True
             atexit.register(_InFlight.at_exit)
+            before_shutdown(_InFlight.at_exit)   # the last buckets complete as the loop may shut down
 
     def __call__(self, future, error: BaseException | None = None) -> None:
         tracer = self.tracer
