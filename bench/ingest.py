@@ -112,7 +112,7 @@ REPLAY = textwrap.dedent("""
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass
     session, messages = os.urandom(16), []
-    for seq, part in enumerate(batches(queue.take(), 8192), 1):
+    for seq, part in enumerate(batches(queue.take(), lambda: 8192), 1):
         batch = pb.SpanBatch(resource=pb.Resource(node_id=f"replay-{os.getpid()}"), session_id=session, seq=seq)
         encode_spans(batch, part)
         messages.append(batch.SerializeToString())

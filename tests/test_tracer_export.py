@@ -108,6 +108,30 @@ def test_spans_too_large_for_one_message_go_in_parts(collector):
     assert span_count(collector.store) == 8000
 
 
+def test_batches_of_large_spans_hold_about_a_megabyte(collector):
+    """Encoding a batch holds the GIL throughout: 8192 spans with 2 KB attributes each froze
+    the program's other threads for 20-80 ms at a time. A batch is sized by the bytes per
+    span of the one before, so after the first, large spans go about 1 MB at a time."""
+    out = run_python("""
+        import crosstrace
+        p = crosstrace.init(export_interval_ms=60000)
+        t = p.get_tracer("t")
+        prompt = "x" * 2048
+        for _ in range(2):
+            for i in range(8192):
+                t.start_span("big", attributes={"prompt": prompt, "i": i}).end()
+            print(p.force_flush(30000))
+    """, env=tracer_env(collector, "large"), timeout=120)
+    assert out.stdout.split() == ["True", "True"]
+    store = Store(collector.store, readonly=True)
+    try:
+        segments = [seg for node, seg in store.segments() if store.nodes()[node].node_id == "large"]
+    finally:
+        store.close()
+    assert sum(seg.count for seg in segments) == 2 * 8192
+    assert max(seg.ByteSize() for seg in segments) < 1.25 * 2**20
+
+
 def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
     """Lone surrogates (which Python strings hold and UTF-8 does not) in a span name and an
     attribute failed the encoding of their whole batch: every span of it was lost, and
@@ -361,7 +385,7 @@ def test_queued_spans_leave_nothing_for_the_garbage_collector():
     names, attributes = columns[3], columns[-1]
     assert names == ["with", "plain"] * 10 and all(len(c) == 20 for c in columns) and not queue.queue
     assert attributes[0] == {"i": 0, "s": "x", "f": 1.5} and attributes[1] is None
-    parts = list(batches(columns, 15))
+    parts = list(batches(columns, lambda: 15))
     assert [[len(c) for c in part] for part in parts] == [[15] * 10, [5] * 10]
     assert parts[1][3] == ["plain", "with", "plain", "with", "plain"]
-    assert [len(part[0]) for part in batches(queue.take(), 15)] == [0]
+    assert [len(part[0]) for part in batches(queue.take(), lambda: 15)] == [0]

@@ -51,14 +51,19 @@ def _link(link) -> list:
     return row
 
 
-def batches(columns: list[list], size: int):
-    """Queued spans' columns in parts of at most `size` spans: one part (maybe empty) at least."""
-    n = len(columns[0])
+def batches(columns: list[list], next_size):
+    """Queued spans' columns in parts, each of at most next_size() spans (asked anew for
+    each part, which can follow what the part before encoded to): one part (maybe empty)
+    at least."""
+    n, size = len(columns[0]), next_size()
     if n <= size:
         yield columns
         return
-    for start in range(0, n, size):
+    start = 0
+    while start < n:
         yield [column[start:start + size] for column in columns]
+        start += size
+        size = next_size()
 
 
 def encode_spans(batch: "pb.SpanBatch", columns: list[list]) -> None:

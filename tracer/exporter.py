@@ -42,11 +42,13 @@ log = logging.getLogger("crosstrace.tracer")
 _EXPORT_METHOD = "/crosstrace.v1.Collector/Export"
 MAX_MESSAGE_BYTES = 64 << 20          # gRPC's message limit, here and at the collector
 MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 4   # a batch larger than this goes in parts
+BATCH_TARGET_BYTES = 1 << 20               # what a batch is sized for (see _part_size)
 # The first round (its clock-probe burst) comes soon, so that even a short-lived process has
 # clock samples from before its spans; not at once: a process often forks right after init
 # (DataLoader workers): with the first round at once, children forked at start-up failed 3
 # times in about 65 runs (a half-imported grpc module, a lost flush, a crash in gRPC).
 _FIRST_ROUND_S = 0.2
+_ACK_WAIT_S = 5.0      # at most, for room among the unacked batches while the stream is up (see _await_room)
 _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
 
 
@@ -143,12 +145,14 @@ class Exporter:
         self.rejected: collections.Counter = collections.Counter()
         self._seq = 0
         self._order = 0
+        self._span_bytes = 128              # encoded bytes per span, of the last batch
         self._unacked: "collections.OrderedDict[tuple, _Pending]" = collections.OrderedDict()
         self._memory_bytes = 0
         self._waiters: list[tuple[int, threading.Event]] = []
         self._pending_flushes: list[threading.Event] = []
         self._lock = threading.Lock()       # exporter-side state only; never taken by the hot path
         self._wake = threading.Event()
+        self._acked = threading.Event()     # set at each ack and when the stream ends
         self._stopping = False
         self._sent_dropped = -1
         self._channel = None
@@ -289,36 +293,41 @@ class Exporter:
 
     def _send_queued(self) -> None:
         queue, samples = self.queue.queue, self.queue.samples
-        size = self.cfg.batch_size
         dropped = self.queue.dropped + self.dropped
         first = True
         while queue or samples or (first and dropped != self._sent_dropped):
             first = False
-            for part in batches(self.queue.take(), size):
+            for part in batches(self.queue.take(), self._part_size):
                 self._send_spans(part, dropped)
 
+    def _part_size(self) -> int:
+        """Spans per batch: batch_size, fewer where spans are large. Encoding a batch holds
+        the GIL throughout (about 2 ms per MB): 8192 spans with 2 KB attributes froze the
+        program's threads for 20-80 ms at a time."""
+        return max(1, min(self.cfg.batch_size, BATCH_TARGET_BYTES // self._span_bytes))
+
     def _send_spans(self, part: list[list], dropped: int) -> None:
-        """One batch of queued spans (their columns), with the clock samples queued; halved
+        """One batch of queued spans (their columns), with the clock samples queued; split
         while its encoding is over MAX_BATCH_BYTES (a batch over gRPC's message limit is
-        refused whole: 20,000 spans with 9 KB prompts as attributes lost 16,384), or fails,
-        until only the span that cannot be encoded is dropped."""
+        refused whole: 20,000 spans with 9 KB prompts as attributes lost 16,384), or halved
+        while it fails, until only the span that cannot be encoded is dropped."""
         batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id, dropped_spans=dropped)
         n = len(part[0])
         if n:
             try:
                 encode_spans(batch, part)
-                halve = n > 1 and encoded_size(batch) > MAX_BATCH_BYTES
+                self._span_bytes = max(1, encoded_size(batch) // n)
+                split = n > 1 and encoded_size(batch) > MAX_BATCH_BYTES
             except Exception as exc:   # a value no encoding takes (its str() raises): halves find its
                 if n == 1:             # span, which alone is dropped and counted
                     self._warn_once("encode", f"crosstrace: could not encode span {part[3][0]!r} ({exc!r}); "
                                               "it is dropped")
                     self.dropped += 1
                     return
-                halve = True
-            if halve:
-                half = n // 2
-                self._send_spans([column[:half] for column in part], dropped)
-                self._send_spans([column[half:] for column in part], dropped)
+                split = True
+            if split:
+                for smaller in batches(part, lambda: min(n // 2, self._part_size())):
+                    self._send_spans(smaller, dropped)
                 return
         into, samples, trailers = batch.clock_samples, self.queue.samples, []
         while samples:
@@ -332,6 +341,7 @@ class Exporter:
         self._send(batch, n)
 
     def _send(self, batch, n_spans: int) -> None:
+        self._await_room(encoded_size(batch))
         with self._lock:
             self._seq += 1
             self._order += 1
@@ -343,6 +353,23 @@ class Exporter:
         requests = self._ensure_stream()
         if requests is not None:
             requests.append(entry)
+
+    def _await_room(self, size: int) -> None:
+        """While the stream is up and the unacked batches fill max_unacked_mb, wait for acks
+        (at most _ACK_WAIT_S) before adding a batch: the collector acks as it commits, and
+        meanwhile the bounded queue takes the burst, dropping and counting what overflows.
+        Sending on gave up the oldest unacked batches though they were on their way (345 of
+        8000 spans with 9 KB attributes, queued at once)."""
+        bound = self.cfg.max_unacked_mb << 20
+        deadline = time.monotonic() + _ACK_WAIT_S
+        while self._memory_bytes + size > bound and self._requests is not None:
+            self._acked.clear()
+            if self._memory_bytes + size <= bound or self._requests is None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._acked.wait(min(left, 0.1))
 
     def _spill(self, everything: bool) -> None:
         """Move batches from memory to the spool: all of them, or the oldest until memory is
@@ -467,6 +494,7 @@ class Exporter:
                     for reason, n in ack.rejected.items():
                         self.rejected[reason] += n
                     self._resolve_waiters()
+                self._acked.set()
                 if ack.rejected:
                     self._warn_once("rejected", f"crosstrace: the collector rejected spans: {dict(ack.rejected)}")
                 self._backoff = 0.1
@@ -506,6 +534,7 @@ class Exporter:
                     self._requests = None
                     self._backoff_until = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, 5.0)
+            self._acked.set()
             self._wake.set()
 
     def _resolve_waiters(self) -> None:
