@@ -243,6 +243,30 @@ def test_a_taken_udp_port_costs_only_the_udp_channel(tmp_path):
     assert sources == {pb.GRPC_EXCHANGE}
 
 
+def test_udp_probing_starts_when_the_collector_comes_up_late(tmp_path):
+    """A tracer started before its collector: rounds where nothing answered at all said
+    nothing about UDP, yet three of them gave UDP up for good."""
+    from crosstrace.launch import CollectorProcess, free_port
+
+    port = free_port()
+    env = {**os.environ, "CROSSTRACE_ENDPOINT": f"127.0.0.1:{port}", "CROSSTRACE_NODE_ID": "early",
+           "CROSSTRACE_CLOCK_PROBE_INTERVAL_S": "0.1"}
+    tracer = subprocess.Popen([sys.executable, "-c", WORKER, "3"], env=env)
+    try:
+        time.sleep(1.0)   # ~8 probe rounds with nobody listening
+        with CollectorProcess(str(tmp_path / "store.db"), listen=f"127.0.0.1:{port}") as collector:
+            assert tracer.wait(timeout=60) == 0
+            store = Store(collector.store, readonly=True)
+            try:
+                sources = {r[1] for r in store.clock_samples()}
+            finally:
+                store.close()
+    finally:
+        if tracer.poll() is None:
+            tracer.kill()
+    assert sources == {pb.UDP_EXCHANGE, pb.GRPC_EXCHANGE}
+
+
 RUN = """
 import time, crosstrace
 provider = crosstrace.init()

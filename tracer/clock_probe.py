@@ -29,7 +29,7 @@ log = logging.getLogger("crosstrace.tracer")
 _CLOCK_METHOD = "/crosstrace.v1.Collector/ExchangeClock"
 _PROBE_TIMEOUT_S = 0.2
 _FIRST_BURST_S = 0.2         # the first burst, as the exporter's first round: soon after start
-_UDP_GIVE_UP_AFTER = 3       # bursts without any answer before the UDP channel is left alone
+_UDP_GIVE_UP_AFTER = 3       # rounds UDP went unanswered where gRPC answered, before UDP is left alone
 
 
 class ClockProber:
@@ -90,28 +90,26 @@ class ClockProber:
     def _burst(self) -> None:
         if self._sources is not None:
             self._sources.start()
-        udp_samples = []
-        if self._udp is not None:
-            udp_samples = self._udp.burst(self.cfg.clock_probe_burst)
-            if self._udp.failed_bursts >= _UDP_GIVE_UP_AFTER:
-                log.info("crosstrace: no UDP clock answers from %s; using the gRPC exchange only",
-                         self.cfg.endpoint)
-                self._udp.close()
-                self._udp = None
-        clock = self._grpc_burst()
+        udp_samples = self._udp.burst(self.cfg.clock_probe_burst) if self._udp is not None else []
+        answered, clock = self._grpc_burst()
         for sample in udp_samples:   # UDP answers do not name their clock: the gRPC ones of this round do
             sample.peer_clock = clock
         self.samples.extend(udp_samples)
+        if self._udp is not None and self._udp.judge(answered):
+            log.info("crosstrace: no UDP clock answers from %s; using the gRPC exchange only", self.cfg.endpoint)
+            self._udp.close()
+            self._udp = None
 
-    def _grpc_burst(self) -> str:
-        """Probe over gRPC; returns the name of the clock that answered ("" if none did, or
-        the collector did not say): samples name it, so that the collector can place one
-        answered before it came back on another clock (a batch held while it was away)."""
+    def _grpc_burst(self) -> tuple[bool, str]:
+        """Probe over gRPC: whether the collector answered, and the name of the clock that
+        answered ("" if none did, or the collector did not say): samples name it, so that
+        the collector can place one answered before it came back on another clock (a batch
+        held while it was away)."""
         exchange = self._get_channel().unary_unary(
             _CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
             response_deserializer=pb.ClockProbeReply.FromString)
         clock_now, node = self.clock.now, self.cfg.node_id
-        clock = ""
+        answered, clock = False, ""
         for _ in range(self.cfg.clock_probe_burst):
             t1 = clock_now()
             try:
@@ -119,10 +117,10 @@ class ClockProber:
             except grpc.RpcError:
                 break
             t4 = clock_now()
-            clock = reply.clock
+            answered, clock = True, reply.clock
             self.samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=t1, t2=reply.t2, t3=reply.t3,
                                                t4=t4, local_ns=t1, peer_clock=clock))
-        return clock
+        return answered, clock
 
 
 # RPC clock samples a batch (about a second) carries per peer: those of least delay, which
@@ -162,7 +160,8 @@ class _UdpChannel:
 
     def __init__(self, endpoint: str, clock):
         self.clock = clock
-        self.failed_bursts = 0
+        self.failed_rounds = 0
+        self.answered = False
         self.sock = None
         try:
             host, port = split_host_port(endpoint)
@@ -177,8 +176,8 @@ class _UdpChannel:
         self.sock = sock
 
     def burst(self, n: int) -> list:
+        self.answered = False
         if self.sock is None:
-            self.failed_bursts = _UDP_GIVE_UP_AFTER
             return []
         out = []
         now = self.clock.now
@@ -192,8 +191,21 @@ class _UdpChannel:
                 break
             _, _, t2, t3 = reply
             out.append(pb.ClockSample(source=pb.UDP_EXCHANGE, t1=t1, t2=t2, t3=t3, t4=t4, local_ns=t1))
-        self.failed_bursts = 0 if out else self.failed_bursts + 1
+        self.answered = bool(out)
         return out
+
+    def judge(self, collector_answered: bool) -> bool:
+        """After a round: True once UDP is worth leaving alone (no socket, or unanswered in
+        _UDP_GIVE_UP_AFTER rounds where the collector answered over gRPC). A round with the
+        collector down says nothing about UDP: counted, it gave UDP up for good in a
+        process started before its collector."""
+        if self.sock is None:
+            return True
+        if self.answered:
+            self.failed_rounds = 0
+        elif collector_answered:
+            self.failed_rounds += 1
+        return self.failed_rounds >= _UDP_GIVE_UP_AFTER
 
     def _await(self, nonce: int, now):
         """(t4, reply) for this nonce; stale answers to earlier probes are skipped."""
