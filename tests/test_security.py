@@ -3,8 +3,10 @@ a missing or wrong token, a wrong CA, a missing client certificate and plaintext
 port are refused with clear errors, and nothing is stored. Certificates are made here."""
 import datetime
 import ipaddress
+import os
 import subprocess
 import sys
+import textwrap
 
 import grpc
 import pytest
@@ -206,3 +208,28 @@ def test_a_hash_inside_a_token_is_part_of_it(tmp_path):
                     "training-cluster-east #Zx9q2LmP7vR4tK8w\n")
     assert load_tokens(str(path)) == {"edge": b"abcdefghijklmnop#qrstuv",
                                       "training-cluster-east": b"#Zx9q2LmP7vR4tK8w"}
+
+
+def test_a_plaintext_collector_that_goes_away_gets_no_tls_hint(collector):
+    """The hint is for a first connection a TLS server closes, not for a collector that
+    served this tracer and was then killed (a relay restarting said to set a TLS CA)."""
+    code = """
+        import crosstrace, sys
+        p = crosstrace.init()
+        t = p.get_tracer("t")
+        t.start_span("before").end()
+        print(p.force_flush(20000), flush=True)
+        sys.stdin.readline()                   # the collector is killed meanwhile
+        t.start_span("after").end()
+        p.force_flush(1500)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **tracer_env(collector, "served")})
+    try:
+        assert proc.stdout.readline().strip() == "True"
+        collector.kill()
+        _, err = proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()
+    assert "export stream" in err and "TLS" not in err, err

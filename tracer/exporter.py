@@ -153,6 +153,7 @@ class Exporter:
         self._lock = threading.Lock()       # exporter-side state only; never taken by the hot path
         self._wake = threading.Event()
         self._acked = threading.Event()     # set at each ack and when the stream ends
+        self._ever_acked = False            # then a closed socket is no sign of a TLS mismatch
         self._stopping = False
         self._sent_dropped = -1
         self._channel = None
@@ -494,6 +495,7 @@ class Exporter:
                     for reason, n in ack.rejected.items():
                         self.rejected[reason] += n
                     self._resolve_waiters()
+                self._ever_acked = True
                 self._acked.set()
                 if ack.rejected:
                     self._warn_once("rejected", f"crosstrace: the collector rejected spans: {dict(ack.rejected)}")
@@ -523,7 +525,7 @@ class Exporter:
             elif not self._stopping:
                 details = err.details() or ""
                 hint = ""
-                if "Socket closed" in details and not self.cfg.uses_tls:
+                if "Socket closed" in details and not self.cfg.uses_tls and not self._ever_acked:
                     hint = " (the collector closed a plaintext connection: if it serves TLS, set CROSSTRACE_TLS_CA)"
                 self._warn_once(f"rpc{code}", f"crosstrace: export stream to {self.cfg.endpoint} "
                                 f"failed ({code.name}: {details}){hint}; will retry")
