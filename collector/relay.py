@@ -9,14 +9,21 @@ relay, so they go up with `peer` = the relay's node id, and `peer_clock` = the r
 that answered them, which the device noted from the answer (a relay rebooted under its node
 id is another clock upstream, Store.clock_samples). The relay's own exchanges with
 upstream travel in its own batches; upstream then composes device -> relay -> upstream,
-with bounds that add (collector/align.py). Relays chain the same way.
+with bounds that add (collector/align.py). Relays chain the same way, and each adds its mark to the batch's `relayed_by`: a batch
+that comes back to a relay (two relays forwarding to each other) was stored there when it
+first passed, and goes no further, where it circled for ever.
 
 The upstream side (stream, acks, spool, the relay's own clock probes) is the tracer's
 Exporter, wired in by `crosstrace collector`; here it is any object with
 `forward(batch)` that returns once the batch is durable.
 """
+import logging
+import threading
+
 from ..proto import pb
 from .store import MEASURED_HERE
+
+log = logging.getLogger("crosstrace.collector")
 
 
 def for_upstream(batch: "pb.SpanBatch", relay_node_id: str, relay_clock: str) -> "pb.SpanBatch":
@@ -38,6 +45,23 @@ class Relay:
         self.node_id = node_id
         self.upstream = upstream
         self.clock = clock
+        self.mark = upstream.session_id   # this relay process: node ids need not be unique
+        self.looped = 0                   # batches that came back, kept here only
+        self._lock = threading.Lock()
+
+    def came_back(self, batch: "pb.SpanBatch") -> bool:
+        """Whether `batch` passed this relay before: stored here then, forwarded no further."""
+        if self.mark not in batch.relayed_by:
+            return False
+        with self._lock:
+            self.looped += 1
+            first = self.looped == 1
+        if first:
+            log.warning("crosstrace relay %s: a batch from %s came back after %d relay(s): a forwarding loop "
+                        "(check each relay's --forward-to); such batches are not stored or forwarded again",
+                        self.node_id, batch.resource.node_id, len(batch.relayed_by))
+        return True
 
     def __call__(self, batch: "pb.SpanBatch") -> None:
+        batch.relayed_by.append(self.mark)
         self.upstream.forward(for_upstream(batch, self.node_id, self.clock))

@@ -138,13 +138,15 @@ class CollectorService:
         self.writer = Writer(store)
         self.in_flight = InFlight(in_flight_mb << 20)
         self.stats = Stats()
-        self.forward = forward      # relay mode: forward(batch) hands it on upstream, durably
+        self.forward = forward      # relay mode: a collector.relay.Relay, which hands batches on upstream
         self.now = now              # the clock clock probes are answered from
 
     def ingest(self, batch: "pb.SpanBatch") -> tuple[CheckedBatch, WriteResult]:
         """Check one batch, commit it (and on a relay, hand it on upstream); durable on return.
         Raises BadBatch for a batch that cannot be read, StoreUnavailable when it cannot be kept."""
         checked = check(batch)
+        if self.forward is not None and self.forward.came_back(batch):   # a forwarding loop
+            return checked, WriteResult(0, checked.batch.count, resent=True)
         try:
             result = self.writer.submit(checked).result()
             if self.forward is not None:

@@ -2,6 +2,8 @@
 gateway) -> the cloud collector. Every span arrives upstream once, the devices' clock
 samples go up naming the gateway, and upstream composes device -> gateway -> cloud with
 bounds that add up; simulated clocks on the devices and on the gateway give the truth."""
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -130,3 +132,61 @@ def test_a_gateway_back_on_another_clock_still_carries_its_devices_clocks(tmp_pa
     assert set(m.sources) == {"rpc:gateway", "rpc:gateway#2"}, m
     true = injected_offset(starts, *camera, epoch)
     assert np.all(np.abs(m.offset_at(starts) - true) <= m.error_at(starts) + 1)
+
+
+def test_relays_forwarding_to_each_other_stop_the_loop(tmp_path):
+    """Two gateways that forward to each other (a configuration slip): a device's batches
+    are kept once by each and go round no further. They circled for ever, and a batch of
+    clock samples only (not recorded as a batch, so never known as a resend) was stored
+    again at every pass."""
+    epoch = time.monotonic_ns()
+    port_a, port_b = free_port(), free_port()
+    a = CollectorProcess(str(tmp_path / "a.db"), listen=f"127.0.0.1:{port_a}",
+                         extra_args=("--forward-to", f"127.0.0.1:{port_b}", "--node-id", "a"))
+    try:
+        with CollectorProcess(str(tmp_path / "b.db"), listen=f"127.0.0.1:{port_b}",
+                              extra_args=("--forward-to", f"127.0.0.1:{port_a}", "--node-id", "b")) as b:
+            device(a, "camera", epoch, 300)
+            assert wait_until(lambda: len(stored_indices(b.store, "camera")) == 300, 30)
+            assert wait_until(lambda: any("forwarding loop" in line for line in a.stderr_lines + b.stderr_lines), 10)
+            time.sleep(1.0)   # room to go round a few more times, if it did
+    finally:
+        assert a.stop() == 0
+    for path in (a.store, b.store):
+        assert stored_indices(path, "camera") == list(range(300))
+        store = Store(path, readonly=True)
+        try:
+            nodes = {i: r.node_id for i, r in store.nodes().items()}
+            camera = [(r[1], r[3]) for r in store.clock_samples() if nodes[r[0]] == "camera"]
+        finally:
+            store.close()
+        assert camera and len(camera) == len(set(camera)), path   # each of the device's samples once
+
+
+def test_a_batch_larger_than_the_gateways_spool_still_goes_up(tmp_path):
+    """A spool of 1 MB and a device's batch of 3 MB: the gateway keeps it (its own store)
+    and forwards it from memory. It answered UNAVAILABLE, and the device resent it for ever."""
+    with CollectorProcess(str(tmp_path / "cloud.db")) as cloud:
+        relay = CollectorProcess(str(tmp_path / "gateway.db"),
+                                 extra_args=("--forward-to", cloud.address, "--spool-max-mb", "1"))
+        try:
+            out = run_python("""
+                import crosstrace
+                p = crosstrace.init()
+                p.get_tracer("t").start_span("frame", attributes={"i": 0, "jpeg": "x" * (3 << 20)}).end()
+                print("flushed", p.force_flush(20000))
+            """, {"CROSSTRACE_ENDPOINT": relay.address, "CROSSTRACE_NODE_ID": "camera"}, timeout=60)
+            assert out.stdout.split() == ["flushed", "True"], out.stderr
+            assert wait_until(lambda: stored_indices(cloud.store, "camera") == [0], 30)
+        finally:
+            assert relay.stop() == 0
+    assert any("larger than the whole spool" in line for line in relay.stderr_lines)
+
+
+def test_a_relay_forwarding_to_itself_is_refused_at_start(tmp_path):
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--store", str(tmp_path / "s.db"),
+                          "--listen", f"127.0.0.1:{port}", "--forward-to", f"127.0.0.1:{port}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "own --listen address" in out.stderr, out.stderr
+    assert not (tmp_path / "s.db").exists()

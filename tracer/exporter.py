@@ -236,7 +236,8 @@ class Exporter:
 
     def forward(self, batch: "pb.SpanBatch") -> None:
         """Send another tracer's batch upstream under its own (session_id, seq) (a relay).
-        With a spool it is on disk when this returns: durable before the relay acks it."""
+        With a spool it is on disk when this returns: durable before the relay acks it (one
+        larger than the whole spool waits in memory only)."""
         data = batch.SerializeToString()
         key = (bytes(batch.session_id) or os.urandom(16), batch.seq)
         with self._lock:
@@ -246,10 +247,12 @@ class Exporter:
         if self._spool is not None:
             with self._lock:
                 fits = self._make_room(len(data))
-            if not fits:
-                raise OSError(f"a batch of {len(data)} bytes does not fit in the spool "
-                              f"(spool_max_mb={self.cfg.spool_max_mb})")
-            spooled = self._spool.write(data, batch.seq, batch.count)
+            if fits:
+                spooled = self._spool.write(data, batch.seq, batch.count)
+            else:   # refusing it, the relay had its device resend it for ever, and the loss said nowhere
+                self._warn_once("spool_too_small", f"crosstrace: a batch of {len(data)} bytes is larger than the "
+                                f"whole spool (spool_max_mb={self.cfg.spool_max_mb}): it waits for upstream in "
+                                "memory only, and is dropped and counted if upstream is away")
         with self._lock:
             self._order += 1
             entry = _Pending(key, batch.seq, self._order, batch.count, data, spooled)

@@ -68,7 +68,9 @@ def run_args(args) -> int:
         # A clear error now, not retries for ever: gRPC takes no http(s):// (TLS comes from CROSSTRACE_TLS_CA).
         if "://" in args.forward_to.replace("dns:///", ""):
             raise ValueError(f"--forward-to takes HOST:PORT, not a URL: {args.forward_to!r}")
-        split_host_port(args.forward_to)
+        if split_host_port(args.forward_to) == split_host_port(args.listen):
+            raise ValueError(f"--forward-to {args.forward_to} is this collector's own --listen address: "
+                             "a relay forwards to another collector")
         upstream, relay_clock = _upstream(args)
         clock = relay_clock.domain()
         options = {"forward": Relay(upstream.cfg.node_id, upstream, clock), "now": relay_clock.now, "clock": clock}

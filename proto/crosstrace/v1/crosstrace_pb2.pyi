@@ -101,7 +101,7 @@ class ClockSample(_message.Message):
     def __init__(self, source: _Optional[_Union[ClockSource, str]] = ..., peer: _Optional[str] = ..., t1: _Optional[int] = ..., t2: _Optional[int] = ..., t3: _Optional[int] = ..., t4: _Optional[int] = ..., local_ns: _Optional[int] = ..., offset_ns: _Optional[int] = ..., error_ns: _Optional[int] = ..., server: _Optional[str] = ..., peer_clock: _Optional[str] = ...) -> None: ...
 
 class SpanBatch(_message.Message):
-    __slots__ = ("resource", "session_id", "seq", "count", "trace_id_hi", "trace_id_lo", "span_id", "parent_span_id", "start_ns", "end_ns", "kind", "status", "name", "thread", "strings", "attributes_json", "extras_json", "clock_samples", "dropped_spans")
+    __slots__ = ("resource", "session_id", "seq", "count", "trace_id_hi", "trace_id_lo", "span_id", "parent_span_id", "start_ns", "end_ns", "kind", "status", "name", "thread", "strings", "attributes_json", "extras_json", "clock_samples", "dropped_spans", "relayed_by")
     RESOURCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class SpanBatch(_message.Message):
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SPANS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BY_FIELD_NUMBER: _ClassVar[int]
     resource: Resource
     session_id: bytes
     seq: int
@@ -140,7 +141,8 @@ class SpanBatch(_message.Message):
     extras_json: bytes
     clock_samples: _containers.RepeatedCompositeFieldContainer[ClockSample]
     dropped_spans: int
-    def __init__(self, resource: _Optional[_Union[Resource, _Mapping]] = ..., session_id: _Optional[bytes] = ..., seq: _Optional[int] = ..., count: _Optional[int] = ..., trace_id_hi: _Optional[bytes] = ..., trace_id_lo: _Optional[bytes] = ..., span_id: _Optional[bytes] = ..., parent_span_id: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., status: _Optional[bytes] = ..., name: _Optional[bytes] = ..., thread: _Optional[bytes] = ..., strings: _Optional[_Iterable[str]] = ..., attributes_json: _Optional[bytes] = ..., extras_json: _Optional[bytes] = ..., clock_samples: _Optional[_Iterable[_Union[ClockSample, _Mapping]]] = ..., dropped_spans: _Optional[int] = ...) -> None: ...
+    relayed_by: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, resource: _Optional[_Union[Resource, _Mapping]] = ..., session_id: _Optional[bytes] = ..., seq: _Optional[int] = ..., count: _Optional[int] = ..., trace_id_hi: _Optional[bytes] = ..., trace_id_lo: _Optional[bytes] = ..., span_id: _Optional[bytes] = ..., parent_span_id: _Optional[bytes] = ..., start_ns: _Optional[bytes] = ..., end_ns: _Optional[bytes] = ..., kind: _Optional[bytes] = ..., status: _Optional[bytes] = ..., name: _Optional[bytes] = ..., thread: _Optional[bytes] = ..., strings: _Optional[_Iterable[str]] = ..., attributes_json: _Optional[bytes] = ..., extras_json: _Optional[bytes] = ..., clock_samples: _Optional[_Iterable[_Union[ClockSample, _Mapping]]] = ..., dropped_spans: _Optional[int] = ..., relayed_by: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExportAck(_message.Message):
     __slots__ = ("seq", "accepted", "duplicates", "rejected")
