@@ -4,6 +4,15 @@ import ipaddress
 import socket
 
 
+def from_url(endpoint: str) -> tuple[str, bool]:
+    """OpenTelemetry's URL form of an endpoint (http://host:port, https://host:port/) as
+    gRPC's host:port, and whether it asks for TLS (https); anything else as it is."""
+    scheme, sep, rest = endpoint.strip().partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        return rest.rstrip("/"), scheme.lower() == "https"
+    return endpoint.strip(), False
+
+
 def split_host_port(endpoint: str) -> tuple[str, int]:
     """"host:port", "[v6]:port" or a gRPC target "dns:///host:port" as (host, port)."""
     target = endpoint.split("///", 1)[-1]

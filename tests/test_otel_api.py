@@ -411,6 +411,26 @@ def test_opentelemetry_settings_are_followed(collector, monkeypatch):
         Config.from_env()
 
 
+def test_malformed_settings_are_reported_and_urls_are_taken(monkeypatch):
+    """A boolean typo was read as false (CROSSTRACE_DISABLED=ture traced on, silently), and
+    an endpoint written as OpenTelemetry writes it (http://host:4317) failed only once the
+    exporter connected."""
+    from crosstrace.tracer.config import Config
+
+    monkeypatch.setenv("CROSSTRACE_DISABLED", "ture")
+    with pytest.warns(RuntimeWarning, match="CROSSTRACE_DISABLED='ture': expected true/false"):
+        assert Config.from_env().disabled is False
+    monkeypatch.setenv("CROSSTRACE_DISABLED", "Yes")
+    assert Config.from_env().disabled is True
+    monkeypatch.delenv("CROSSTRACE_DISABLED")
+    assert Config.from_env(endpoint="http://collector.local:4327/").endpoint == "collector.local:4327"
+    secure = Config.from_env(endpoint="https://collector.local:4327")
+    assert (secure.endpoint, secure.uses_tls) == ("collector.local:4327", True)
+    monkeypatch.setenv("CROSSTRACE_ENDPOINT", "collector.local")               # no port
+    with pytest.warns(RuntimeWarning, match="ignoring endpoint 'collector.local'.*using 127.0.0.1:4327"):
+        assert Config.from_env().endpoint == "127.0.0.1:4327"
+
+
 def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector):
     tracer = provider.get_tracer("test")
     other = trace.SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=trace.TraceFlags(1))

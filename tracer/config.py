@@ -12,6 +12,8 @@ import socket
 import urllib.parse
 import warnings
 
+from ..proto.endpoint import from_url, split_host_port
+
 ENV_PREFIX = "CROSSTRACE_"
 
 
@@ -80,6 +82,7 @@ class Config:
             if value is not None:
                 setattr(cfg, name, value)
         cfg.labels = _text_labels(cfg.labels)
+        _check_endpoint(cfg)
         _follow_opentelemetry(cfg, env, given={name for name, value in overrides.items() if value is not None})
         for name, minimum in _MINIMUM.items():
             value = getattr(cfg, name)
@@ -92,6 +95,20 @@ class Config:
             host = socket.gethostname()
             cfg.node_id = f"{host}/rank{cfg.rank}" if cfg.rank >= 0 else f"{host}/{os.getpid()}"
         return cfg
+
+
+def _check_endpoint(cfg: Config) -> None:
+    """host:port, taken also in OpenTelemetry's URL form (https:// then asks for TLS): a
+    URL failed only once the exporter connected, and a malformed endpoint is reported now."""
+    endpoint, tls = from_url(cfg.endpoint)
+    try:
+        split_host_port(endpoint)
+    except ValueError as exc:
+        default = _FIELDS["endpoint"].default
+        warnings.warn(f"crosstrace: ignoring endpoint {cfg.endpoint!r} ({exc}); using {default}",
+                      RuntimeWarning, stacklevel=3)
+        endpoint = default
+    cfg.endpoint, cfg.tls = endpoint, cfg.tls or tls
 
 
 def _follow_opentelemetry(cfg: Config, env, given: set) -> None:
@@ -146,20 +163,24 @@ _MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unack
             "ptp_interval_s": 0.01, "exit_flush_timeout_s": 0, "spool_max_mb": 1, "rpc_clock_interval_ms": 0}
 
 
+_BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
+
+
 def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     try:
         if kind.startswith("dict"):
             value = _labels(raw, source)
         elif kind.startswith("bool"):
-            value = raw.strip().lower() in ("1", "true", "yes", "on")
+            value = _BOOLS[raw.strip().lower()]   # a typo (CROSSTRACE_DISABLED=ture) is reported, not read as false
         elif kind.startswith("int"):
             value = int(raw)
         elif kind.startswith("float"):
             value = float(raw)
         else:
             value = raw
-    except ValueError:
-        warnings.warn(f"crosstrace: ignoring {source}={raw!r}: expected {kind}", RuntimeWarning, stacklevel=3)
+    except (ValueError, KeyError):
+        expected = "true/false, 1/0, yes/no or on/off" if kind.startswith("bool") else kind
+        warnings.warn(f"crosstrace: ignoring {source}={raw!r}: expected {expected}", RuntimeWarning, stacklevel=3)
         return
     setattr(cfg, field.name, value)

@@ -10,7 +10,7 @@ import time
 from ..collector import security
 from ..collector.relay import Relay
 from ..collector.server import Collector
-from ..proto.endpoint import split_host_port
+from ..proto.endpoint import from_url, split_host_port
 from .report import duration, positive
 
 
@@ -65,10 +65,8 @@ def run_args(args) -> int:
     upstream = None
     options = {}
     if args.forward_to:
-        # A clear error now, not retries for ever: gRPC takes no http(s):// (TLS comes from CROSSTRACE_TLS_CA).
-        if "://" in args.forward_to.replace("dns:///", ""):
-            raise ValueError(f"--forward-to takes HOST:PORT, not a URL: {args.forward_to!r}")
-        if split_host_port(args.forward_to) == split_host_port(args.listen):
+        # A clear error now, not retries for ever; http(s)://HOST:PORT as OpenTelemetry writes it
+        if split_host_port(from_url(args.forward_to)[0]) == split_host_port(args.listen):
             raise ValueError(f"--forward-to {args.forward_to} is this collector's own --listen address: "
                              "a relay forwards to another collector")
         upstream, relay_clock = _upstream(args)
