@@ -23,7 +23,7 @@ A budget file is TOML; each [[budget]] table is one limit:
     percentile = 99
     max = "120ms"
 
-Keys: `max` (required): a time ("800ns", "250us", "5ms", "1.5s") or a share of the trace
+Keys: `max` (required): a time ("800ns", "250us", "5ms", "1.5s", "2min": collector/durations.py) or a share of the trace
 ("10%"). `percentile` (default 100, i.e. every sample must hold; the value reported is the
 nearest-rank percentile: the smallest sample with at least that share of the samples at or
 below it, never an interpolation; p99 of 100 samples is the second largest). `name` (optional label).
@@ -46,14 +46,13 @@ from fractions import Fraction
 import numpy as np
 
 from .attribution import CATEGORIES, Attribution
+from .durations import parse_ns
 from .spantable import SpanTable
 
 MEASURES = ("critical_path", "worst_rank", "mean_rank")
 OFF_PATH = ("collective.wait", "p2p.wait", "bubble")     # measured per rank unless told otherwise
 _KEYS = {"name", "span", "node", "category", "traces", "measure", "percentile", "max"}
-_TIME = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s)\s*$")
 _SHARE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
-_UNIT = {"ns": 1, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9}
 
 
 class BudgetError(ValueError):
@@ -94,8 +93,8 @@ def format_ns(ns: float, digits: int = 4) -> str:
 def parse_limit(text) -> tuple[float, bool]:
     """("5ms" -> (5e6, False)), ("10%" -> (0.1, True))."""
     if isinstance(text, str):
-        if m := _TIME.match(text):
-            return float(m.group(1)) * _UNIT[m.group(2)], False
+        if (ns := parse_ns(text)) is not None:
+            return ns, False
         if m := _SHARE.match(text):
             return float(m.group(1)) / 100, True
     raise ValueError(f"max = {text!r}: expected a time like \"5ms\", \"250us\", \"1.5s\" or a share like \"10%\"")

@@ -11,6 +11,7 @@ from crosstrace.collector import budgets
 from crosstrace.collector.attribution import attribute
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import trace_details
+from crosstrace.commands.report import duration
 from crosstrace.proto.semconv import Kind
 
 from .test_analysis_units import MS, Spans, build, straggler_step
@@ -52,6 +53,8 @@ max = "1.5s"
     assert (parsed[2].limit, parsed[2].share, parsed[2].measure) == (0.1, True, "worst_rank")
     assert parsed[3].limit == 1.5e9 and parsed[3].percentile == 100
     assert budgets.parse_limit("250us") == (250e3, False) and budgets.parse_limit("800 ns") == (800, False)
+    assert budgets.parse_limit("2min") == (120e9, False)        # one grammar with --last and --retain
+    assert duration("250us") == 250_000 and duration("1.5h") == 5_400 * 10**9
 
 
 @pytest.mark.parametrize("text,message", [

@@ -23,7 +23,7 @@ budget file (TOML), one [[budget]] table per limit:
   traces = "*step"
   max = "10%"
 
-keys: max (required: "800ns", "250us", "5ms", "1.5s" or a share "10%"); percentile
+keys: max (required: "800ns", "250us", "5ms", "1.5s", "2min" or a share "10%"); percentile
 (default 100: every sample); span + node, or category (+ measure: critical_path,
 worst_rank, mean_rank; waits and bubble default to worst_rank), or neither (the trace's
 duration); traces (glob on the trace name); name (a label). A span budget takes one

@@ -124,19 +124,15 @@ def _shown(path: str) -> str:
     return "stdout" if path == "-" else path
 
 
-_DURATION_UNITS = {"ms": 10**6, "s": 10**9, "min": 60 * 10**9, "h": 3600 * 10**9, "d": 86400 * 10**9}
-
-
 def duration(text: str) -> int:
-    """argparse type of a duration such as 90s, 15min, 2h or 7d, in ns (at most 100 years)."""
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    try:
-        value = float(number) * _DURATION_UNITS[unit]
-    except (ValueError, KeyError):
-        value = None
-    if value is None or not 0 < value <= 100 * 365 * _DURATION_UNITS["d"]:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d (up to 100 years)")
+    """argparse type of a duration such as 90s, 15min, 2h or 7d (collector/durations.py), in
+    ns, at most 100 years."""
+    from ..collector.durations import parse_ns
+
+    value = parse_ns(text)
+    if value is None or not 0 < value <= 100 * 365 * 86400e9:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d (ns, us, ms, s, "
+                                         "min, h or d; up to 100 years)")
     return round(value)
 
 
