@@ -220,6 +220,7 @@ def _bind_error(host: str, port: int) -> str | None:
     try:
         for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
             with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC: TIME_WAIT is no obstacle
                 sock.bind(address)
     except OSError as exc:
         return exc.strerror or str(exc)
@@ -238,6 +239,8 @@ class Collector:
         `now`: this collector's clock, which answers clock probes (a relay's, simulated in
         tests), named `clock` (clock_sync.domain; default: this machine's monotonic clock)."""
         host, port = split_host_port(listen)    # before the store: a bad address creates nothing
+        if port and (why := _bind_error(host, port)):   # nor a port in use (gRPC's own error is a raw log line)
+            raise OSError(f"cannot listen on {listen}: {why}")
         self.store = Store(store_path, sync=sync, now=now, clock=clock)
         self.service = CollectorService(self.store, forward, now)
         self.server = grpc.server(

@@ -332,8 +332,9 @@ def test_collector_listen_address_is_checked(tmp_path):
         taken.listen()
         listen = f"127.0.0.1:{taken.getsockname()[1]}"
         result = crosstrace("collector", "--listen", listen, "--store", store)
-    assert result.returncode == 2 and f"crosstrace: error: cannot listen on {listen}: Address already in use" \
-        in result.stderr
+    assert result.returncode == 2 and result.stderr == f"crosstrace: error: cannot listen on {listen}: " \
+        "Address already in use\n"             # and no raw gRPC log line
+    assert os.listdir(tmp_path) == []          # nor a store left behind
 
 
 def test_report_limit_must_be_positive(tmp_path):
