@@ -249,7 +249,7 @@ def verdict(results: list[dict]) -> str:
     violated = sum(r["status"] == "violated" for r in results)
     empty = sum(r["status"] == "no_data" for r in results)
     if not violated and not empty:
-        return f"all {len(results)} budgets hold"
+        return f"all {len(results)} budgets hold" if len(results) > 1 else "the budget holds"
     parts = [f"{violated} of {len(results)} budgets violated"] if violated else []
     if empty:
         parts.append(f"{empty} of {len(results)} without data (no trace it applies to)")

@@ -24,6 +24,7 @@ from .align import Alignment, align, fit_models
 from .dag import dense
 from .matching import Matches, match
 from .spantable import SpanTable
+from .wording import counted
 from ..proto.semconv import Kind, Status
 
 
@@ -39,7 +40,8 @@ def analyse_store(store, trace_ids: list[str] | None = None, progress=None) -> A
     say = progress or (lambda message: None)
     say(f"loading spans from {store.path}")
     table = spantable.load(store, trace_ids)
-    say(f"loaded {len(table):,} spans in {len(table.trace_ids):,} traces from {len(table.nodes)} nodes; aligning clocks")
+    say(f"loaded {counted(len(table), 'span')} in {counted(len(table.trace_ids), 'trace')} from "
+        f"{counted(len(table.nodes), 'node')}; aligning clocks")
     models = fit_models(store)
     epoch = int(store.meta("epoch_offset_ns") or 0)
     matches = match(table)
@@ -322,7 +324,7 @@ def _where(t: SpanTable) -> list[str]:
 
 def segment_label(where: str, span: str | None, category: str) -> str:
     """"cloud inference (compute)": where, which span, and what the time was."""
-    return " ".join(x for x in (where, span) if x) + f" ({category})"
+    return " ".join(x for x in (where, span, f"({category})") if x)
 
 
 def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dict]) -> dict:

@@ -9,7 +9,7 @@ from crosstrace.collector.align import Alignment
 from crosstrace.collector.attribution import CATEGORIES, REMOTE, attribute
 from crosstrace.collector.dag import Edge
 from crosstrace.collector.matching import match
-from crosstrace.collector.report import trace_details
+from crosstrace.collector.report import segment_label, trace_details
 from crosstrace.collector.spantable import SpanTable
 from crosstrace.proto import pb
 from crosstrace.proto import semconv as sc
@@ -523,3 +523,8 @@ def test_work_after_awaiting_other_tasks_waits_for_them():
     assert [seg["span"] for seg in out[0]["critical_path"] if seg["duration_ns"] >= MS] == [
         "request", "a", "request", "postprocess", "request"]
     assert ms(out[0]["attribution"]) == {"compute": 65, "host.overhead": 5}
+
+
+def test_segment_labels_read_without_a_role():
+    assert segment_label("cloud", "infer", "compute") == "cloud infer (compute)"
+    assert segment_label("", None, "host.overhead") == "(host.overhead)"   # no leading space

@@ -254,7 +254,7 @@ def test_trace_takes_any_unique_prefix_in_any_case(three_traces):
     shown = "abcd000000000001"   # what the terminal shows: 16 digits, here the high half of A and B
     result = crosstrace("report", "--store", three_traces, "--trace", shown + "2")
     assert result.returncode == 0, result.stderr
-    assert "loaded 2 spans in 1 traces" in result.stderr
+    assert "loaded 2 spans in 1 trace from" in result.stderr
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", shown), shown, "ambiguous")
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "ffff"), "'ffff'")
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "xyz"), "'xyz'")
@@ -429,3 +429,13 @@ def test_children_run_the_installed_package_wherever_they_start(tmp_path, monkey
         finally:
             for proc in workers.procs:
                 proc.wait(30)
+
+
+def test_piped_report_is_not_cut_to_80_columns(rpc_store):
+    """rich lays a report out 80 columns wide where stdout is no terminal (a file, a pipe, a
+    CI log), and cut its tables' cells short ("…")."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    result = subprocess.run([sys.executable, "-m", "crosstrace", "report", "--store", rpc_store],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "…" not in result.stdout and max(map(len, result.stdout.splitlines())) > 80

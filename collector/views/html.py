@@ -14,6 +14,7 @@ import numpy as np
 
 from ...proto.semconv import Kind, Status
 from .. import attribution
+from ..wording import counted
 from .terminal import errors_line, fmt_ns, largest_segments, slowest_first
 
 NAMES = attribution.CATEGORIES + ("remote",)
@@ -210,7 +211,7 @@ def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
             + "".join(f'<td class="num">{fmt_ns(seg[f"{q}_ns"])}</td>' for q in ("p50", "p95", "p99", "mean"))
             + f'<td class="num">{seg["share"]:.0%}</td></tr>'
             for seg in largest_segments(k["segments"], rows))
-        out.append(f'<h3>{html.escape(name)}: {k["traces"]} traces, p50 {fmt_ns(d["p50_ns"])}, '
+        out.append(f'<h3>{html.escape(name)}: {counted(k["traces"], "trace")}, p50 {fmt_ns(d["p50_ns"])}, '
                    f'p95 {fmt_ns(d["p95_ns"])}, p99 {fmt_ns(d["p99_ns"])}</h3>'
                    f'<table class="kind"><tr><th>critical-path segment (path order)</th><th>p50</th><th>p95</th>'
                    f'<th>p99</th><th>mean</th><th>share</th></tr>{cells}</table>')
@@ -231,15 +232,15 @@ def _trace_section(title: str, trace: dict, analysed, at, kinds, pieces) -> str:
                       f"(ideal {pipe['ideal_bubble_fraction']:.1%} for {pipe['ranks']} ranks, "
                       f"{pipe['microbatches']} microbatches).</p>")
     return (f'<section class="trace"><h2>{title}: {html.escape(trace["name"])} <code>{trace["trace_id"][:16]}</code>, '
-            f'{fmt_ns(trace["duration_ns"])}, {trace["spans"]} spans on {trace["nodes"]} nodes</h2>{straggler}'
+            f'{fmt_ns(trace["duration_ns"])}, {counted(trace["spans"], "span")} on {counted(trace["nodes"], "node")}</h2>{straggler}'
             f'{_timeline(trace, index, analysed, at, kinds, pieces)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
 
 
 def render(report: dict, analysed, attributed) -> str:
     traces = report["traces"]
     errors = errors_line(traces)
-    body = [f"<h1>crosstrace report</h1><p>{html.escape(str(report['store']))}: {len(traces)} traces, "
-            f"{sum(tr['spans'] for tr in traces):,} spans" + (f', <span class="error">{errors}</span>' if errors else "")
+    body = [f"<h1>crosstrace report</h1><p>{html.escape(str(report['store']))}: {counted(len(traces), 'trace')}, "
+            f"{counted(sum(tr['spans'] for tr in traces), 'span')}" + (f', <span class="error">{errors}</span>' if errors else "")
             + "</p>", _legend(), "<h2>budgets</h2>", _budgets(report)]
     if traces:
         ordered = slowest_first(traces)

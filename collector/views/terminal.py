@@ -1,13 +1,24 @@
 """The report in the terminal (rich tables)."""
 import math
+import os
+import sys
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..wording import counted
+
 # Every name that comes from the traced program (spans, nodes, traces, budgets, the store's
 # path) goes through escape(): rich reads `[...]` as markup, and a module path such as
 # `layers[/0]` crashed the report, `fwd[stage1]` lost its brackets.
+
+
+def wide_console() -> Console:
+    """rich's console, 200 columns wide where output goes to a file or a pipe (rich takes 80
+    there, and cut the report's tables), unless COLUMNS says otherwise."""
+    piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=200 if piped else None)
 
 
 def fmt_ns(ns) -> str:
@@ -31,15 +42,15 @@ def errors_line(traces: list[dict]) -> str:
     if not errors:
         return ""
     failed = sum(1 for t in traces if t.get("errors"))
-    return f"{errors:,} span{'s' if errors > 1 else ''} with status ERROR in {failed:,} trace{'s' if failed > 1 else ''}"
+    return f"{counted(errors, 'span')} with status ERROR in {counted(failed, 'trace')}"
 
 
 def render(report: dict, console: Console | None = None, limit: int = 10) -> None:
-    console = console or Console()
+    console = console or wide_console()
     traces = report["traces"]
     errors = errors_line(traces)
-    console.print(f"[bold]crosstrace report[/]  {escape(report['store'])}: {len(traces)} traces, "
-                  f"{sum(t['spans'] for t in traces):,} spans" + (f", [red]{errors}[/]" if errors else ""))
+    console.print(f"[bold]crosstrace report[/]  {escape(report['store'])}: {counted(len(traces), 'trace')}, "
+                  f"{counted(sum(t['spans'] for t in traces), 'span')}" + (f", [red]{errors}[/]" if errors else ""))
     if traces:
         ordered = slowest_first(traces)
         table = Table(title=f"slowest traces (of {len(traces)})", title_justify="left")
@@ -147,7 +158,7 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
     segment in path order and by category, then the slowest traces segment by segment."""
     for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:kinds]:
         d = k["duration"]
-        table = Table(title=f"{escape(repr(name))}: {k['traces']} traces, p50 {fmt_ns(d['p50_ns'])}, p95 {fmt_ns(d['p95_ns'])}, "
+        table = Table(title=f"{escape(repr(name))}: {counted(k['traces'], 'trace')}, p50 {fmt_ns(d['p50_ns'])}, p95 {fmt_ns(d['p95_ns'])}, "
                             f"p99 {fmt_ns(d['p99_ns'])}", title_justify="left")
         table.add_column("critical path: segment (path order), category")
         for col in ("p50", "p95", "p99", "mean", "share", "on path"):
@@ -201,8 +212,8 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
 def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
     from ..budgets import format_measured, format_worst, verdict
 
-    console = console or Console()
-    table = Table(title=f"budgets ({n_traces} traces)", title_justify="left")
+    console = console or wide_console()
+    table = Table(title=f"budgets ({counted(n_traces, 'trace')})", title_justify="left")
     for col in ("budget", "measured", "limit", "samples", "status", "worst traces"):
         table.add_column(col, justify="right" if col in ("measured", "limit", "samples") else "left")
     styles = {"ok": "[green]ok[/]", "violated": "[bold red]VIOLATED[/]", "no_data": "[red]no data[/]"}

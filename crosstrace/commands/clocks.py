@@ -34,11 +34,9 @@ def run(args) -> int:
         json.dump({"clocks": section, "causality": check}, sys.stdout, indent=1)
         print()
         return 0
-    from rich.console import Console
+    from ..collector.views.terminal import render_clocks, wide_console
 
-    from ..collector.views.terminal import render_clocks
-
-    console = Console()
+    console = wide_console()
     render_clocks(section, console, rows=None, detail=True)
     verdict = ("consistent" if not check["violations"]
                else f"[bold red]{check['violations']} still broken: a clock inconsistency[/]")

@@ -10,6 +10,7 @@ import time
 from ..collector import security
 from ..collector.relay import Relay
 from ..collector.server import Collector
+from ..collector.wording import counted
 from ..proto.endpoint import from_url, split_host_port
 from .report import duration, positive
 
@@ -129,7 +130,7 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
             if retain_ns is not None:
                 expired = collector.store.expire(retain_ns)
                 if expired and not quiet:
-                    say(f"deleted {expired:,} spans that arrived over {retain_ns / 1e9:,.0f} s ago")
+                    say(f"deleted {counted(expired, 'span')} that arrived over {retain_ns / 1e9:,.0f} s ago")
             now = time.monotonic()
             if now - last_t < progress_interval_s - tick / 2:
                 continue
@@ -138,7 +139,7 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
                 stats.nodes.clear()
             if spans != last and not quiet:
                 rate = (spans - last) / (now - last_t)
-                say(f"stored {spans:,} spans ({rate:,.0f}/s from {nodes} node(s) lately)"
+                say(f"stored {counted(spans, 'span')} ({rate:,.0f}/s from {counted(nodes, 'node')} lately)"
                     + (f", rejected {rejected:,}" if rejected else ""))
             last, last_t = spans, now
         say("crosstrace collector stopping", sys.stderr)

@@ -3,7 +3,6 @@ import argparse
 import signal
 import sys
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -38,7 +37,7 @@ def run(args) -> int:
 
     from ..demo import injected_offset_at
 
-    console = Console()
+    console = terminal.wide_console()
     say = lambda m: console.print(f"[dim]demo:[/] {escape(m)}")   # noqa: E731
     # SIGTERM, and SIGHUP (the terminal closed, an ssh session lost), end the demo as Ctrl-C does:
     # through the `finally`s that stop the workers and the collector, which run in sessions of

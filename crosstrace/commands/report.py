@@ -3,6 +3,8 @@ import argparse
 import json
 import sys
 
+from ..collector.wording import counted
+
 
 def progress(message: str) -> None:
     print(f"crosstrace: {message}", file=sys.stderr, flush=True)
@@ -111,10 +113,10 @@ def run_export(args) -> int:
         store.close()
     if args.jsonl:
         n = jsonl.write(args.jsonl, analysed)
-        progress(f"wrote {n:,} spans to {_shown(args.jsonl)}")
+        progress(f"wrote {counted(n, 'span')} to {_shown(args.jsonl)}")
     if args.perfetto:
         n = perfetto.write(args.perfetto, analysed)
-        progress(f"wrote {n:,} spans to {_shown(args.perfetto)} (open it in ui.perfetto.dev or chrome://tracing)")
+        progress(f"wrote {counted(n, 'span')} to {_shown(args.perfetto)} (open it in ui.perfetto.dev or chrome://tracing)")
     if args.otlp:
         export_otlp(args.otlp, analysed, headers, args.otlp_ca)
     return 0
@@ -176,7 +178,7 @@ def export_otlp(endpoint: str, analysed, headers, ca) -> None:
         result = otlp.send(endpoint, analysed, headers, ca)
     except grpc.RpcError as err:
         raise OSError(f"OTLP export to {endpoint} failed: {err.code().name}: {err.details()}") from None
-    progress(f"sent {result.spans:,} spans to {endpoint} in {result.requests} request(s)"
+    progress(f"sent {counted(result.spans, 'span')} to {endpoint} in {counted(result.requests, 'request')}"
              + (f"; the backend rejected {result.rejected:,}" if result.rejected else "")
              + (f"; {result.unplaced:,} spans of nodes without a clock model were left out" if result.unplaced else "")
              + (f"; {result.oversize:,} spans larger than {otlp.MAX_REQUEST_BYTES >> 20} MB were left out"
