@@ -439,3 +439,14 @@ def test_piped_report_is_not_cut_to_80_columns(rpc_store):
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "…" not in result.stdout and max(map(len, result.stdout.splitlines())) > 80
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_analysis(rpc_store, tmp_path):
+    """A typo in an output's folder failed with a raw Errno once the analysis was done."""
+    for args, words in ((("report", "--json", str(tmp_path / "typo" / "r.json")), ["there is no folder"]),
+                        (("export", "--perfetto", str(tmp_path)), ["is a folder"]),
+                        (("budget", "check", "--budget", "b.toml", "--json", str(tmp_path / "no" / "b.json")),
+                         ["there is no folder"])):
+        result = crosstrace(*args, "--store", rpc_store)
+        assert one_line_error(result, "cannot write", *words), result.stderr
+        assert "loading spans" not in result.stderr                  # refused before the analysis

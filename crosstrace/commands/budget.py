@@ -2,7 +2,7 @@
 import argparse
 import json
 
-from .report import add_window
+from .report import add_window, check_writable
 
 EXAMPLE = """\
 budget file (TOML), one [[budget]] table per limit:
@@ -53,6 +53,7 @@ def register(sub) -> None:
 def run_check(args) -> int:
     from .report import analyse_report
 
+    check_writable(args.json)
     report, _, _ = analyse_report(args.store, args.trace, quiet=True, budget_file=args.budget, last=args.last)
     results = report["budgets"]
     if args.json:

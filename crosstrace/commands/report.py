@@ -33,7 +33,8 @@ def register(sub) -> None:
     p.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     p.add_argument("--jsonl", metavar="FILE",
                    help="one JSON object per span ('-' for stdout): trace_id, span_id, parent_span_id, name, "
-                        "kind, node_id, rank, start_ns, end_ns, error_bound_ns, attributes")
+                        "kind, node_id, rank, start_ns, end_ns, error_bound_ns, attributes, status, "
+                        "status_message, events, links")
     p.add_argument("--perfetto", metavar="FILE",
                    help="Chrome trace-event JSON ('-' for stdout) for Perfetto UI (ui.perfetto.dev) or "
                         "chrome://tracing: one process per node, flow arrows for send/recv, RPCs and collective "
@@ -75,9 +76,26 @@ def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_
         store.close()
 
 
+def check_writable(*paths: str | None) -> None:
+    """Say now, before minutes of analysis, that an output cannot be written."""
+    import os
+
+    for path in paths:
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"cannot write {path}: it is a folder")
+        if not os.path.isdir(folder):
+            raise ValueError(f"cannot write {path}: there is no folder {folder}")
+        if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+            raise ValueError(f"cannot write {path}: permission denied")
+
+
 def run_report(args) -> int:
     from ..collector.views import terminal
 
+    check_writable(args.json, args.html)
     report, analysed, attributed = analyse_report(args.store, args.trace, quiet=args.json == "-",
                                                   budget_file=args.budget, last=args.last)
     if args.html:
@@ -106,6 +124,7 @@ def run_export(args) -> int:
     if args.jsonl == args.perfetto == "-":
         raise ValueError("--jsonl and --perfetto cannot both go to stdout ('-')")
     headers = [_header(h) for h in args.otlp_header]
+    check_writable(args.jsonl, args.perfetto)
     store = open_store(args.store, args.last)
     try:
         analysed = report_mod.analyse_store(store, args.trace, progress=progress)
