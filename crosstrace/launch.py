@@ -58,13 +58,20 @@ class CollectorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        self._drainer.join(5)
+        self._finish()
         return self.proc.returncode
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(5)
+        self._finish()
+
+    def _finish(self) -> None:
+        """Take the last of its stderr, and close its pipes."""
         self._drainer.join(5)
+        if not self._drainer.is_alive():
+            self.proc.stderr.close()
+        self.proc.stdout.close()
 
     def __enter__(self) -> "CollectorProcess":
         return self
