@@ -67,7 +67,8 @@ class ExportQueue:
     dict that holds a list). Reading the queue by field needs no pass over tuples.
     """
 
-    __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples", "forked_at")
+    __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples", "forked_at",
+                 "deferred")
 
     def __init__(self, clock, max_queue: int, batch_size: int):
         self.clock = clock
@@ -76,6 +77,7 @@ class ExportQueue:
         self.wake_at = FIELDS * max(1, min(batch_size, max_queue // 2))
         self.wake = _noop
         self.queue, self.samples, self.dropped = [], collections.deque(), 0
+        self.deferred = collections.deque()   # work that makes spans, run by the exporter (run_deferred)
         self.forked_at = None
 
     def take(self) -> list[list]:
@@ -100,9 +102,23 @@ class ExportQueue:
             return columns
         return [[column[i] for i in keep] for column in columns]
 
+    def run_deferred(self) -> None:
+        """Run the work instrumentation handed over (TracerProvider.defer), each once, in order."""
+        deferred = self.deferred
+        while deferred:
+            try:
+                work = deferred.popleft()
+            except IndexError:   # taken by another thread meanwhile (shutdown's)
+                return
+            try:
+                work()
+            except Exception as exc:  # instrumentation's; never stops the export
+                log.warning("crosstrace: deferred tracing work %r failed: %r", work, exc)
+
     def reset_after_fork(self) -> None:
         """The child starts with an empty queue: the parent exports what it recorded."""
         self.queue, self.samples, self.dropped = [], collections.deque(), 0
+        self.deferred = collections.deque()
         self.forked_at = self.now()
 
 
@@ -277,6 +293,7 @@ class Exporter:
                 flushes, self._pending_flushes = self._pending_flushes, []
             sent = False
             try:
+                self.queue.run_deferred()
                 self._send_queued()
                 sent = True
                 if self._unacked and self._ensure_stream() is None:

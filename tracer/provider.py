@@ -389,6 +389,15 @@ class TracerProvider(trace_api.TracerProvider):
         if self._exporter is not None and not self._shutdown:   # nothing would take it out otherwise
             self._queue.samples.append(sample)
 
+    def defer(self, work) -> None:
+        """Have the exporter's thread call `work()` (which makes spans) before its next batch:
+        instrumentation's way to take span building off the traced program's path (DDP's
+        buckets, recorded once their pass is over). Inline where nothing exports."""
+        if self._exporter is None or self._shutdown:
+            work()
+        else:
+            self._queue.deferred.append(work)
+
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """True once the collector has acked every span that ended before this call; False
         at the timeout, or where spans were given up meanwhile (a batch refused)."""
@@ -410,6 +419,7 @@ class TracerProvider(trace_api.TracerProvider):
                 settle()
             except Exception as exc:  # instrumentation's; never fails the shutdown
                 log.warning("crosstrace: %r before shutdown failed: %r", settle, exc)
+        self._queue.run_deferred()
         # Spans ending from now on (threads still running, tracers bound before) are dropped
         # and counted: the last batch would miss them, or nothing would take them out of the
         # queue any more (they were lost uncounted: 340-2000 spans of threads running on).

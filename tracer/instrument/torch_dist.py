@@ -703,7 +703,7 @@ def uninstrument_ddp(model) -> None:
     buckets = _tracers[model]
     buckets.forward_handle.remove()
     buckets.settle(last=True)
-    buckets.record(next_pass=True)
+    buckets.next_pass()
     buckets.sampled = False
     model.__dict__.pop("_distributed_broadcast_coalesced", None)
     if buckets.reducer_group is not None:
@@ -838,6 +838,7 @@ class BucketTracer:
         self.layout_of = None  # the model's _has_rebuilt_buckets when the layout was read
         self.next = 0          # the bucket DDP launches next in this backward pass
         self.completed = []    # buckets of sampled passes, completed, not recorded yet (_InFlight)
+        self.pending = False   # their recording is handed to the exporter and has not run yet
         self.passes = 0        # backward passes begun (and buckets recorded before each)
         self.stats_before = None   # the reducer's per-gradient times of the pass before this one
         self.keys = _group(model.process_group)   # the group's name, ranks and collective counter
@@ -856,7 +857,7 @@ class BucketTracer:
         """After a forward that a synced backward pass will follow: that pass launches the
         buckets again from the first, and is recorded if its step is sampled. DDP rebuilds
         its buckets once, early in a forward; then the layout is read anew."""
-        self.record(next_pass=True)
+        self.next_pass()
         if not (torch.is_grad_enabled() and module.require_backward_grad_sync):
             return   # an evaluation forward, or one under no_sync(): no all-reduce follows it
         self.next = 0
@@ -998,21 +999,41 @@ class BucketTracer:
             future.add_done_callback(record)
         return future
 
-    def record(self, next_pass: bool = False) -> None:
-        """Turn the completed buckets into spans. Runs where a pass's last bucket completes
-        (a backend thread), and from the training loop's thread before the next pass
-        (`next_pass`: a bucket that completes after that is recorded at once). Python that
-        runs right after the backward's compute finds cold caches: the first bucket's span
-        took ~80 us there, the next ~10, and on the all-reduce's path they delayed it; so
-        the path only notes the bucket. Safe from several threads at once: each bucket is
-        popped once."""
-        if next_pass:
-            if self.sampled and self.reducer is not None:   # buckets of the pass ending may complete later
-                try:
-                    self.stats_before = self.reducer.get_backward_stats()
-                except (AttributeError, RuntimeError):
-                    self.stats_before = None
-            self.passes += 1
+    def completed_one(self, late: bool) -> None:
+        """A bucket completed (on a backend thread): have the completed ones recorded off the
+        training loop's path, by crosstrace's exporter thread before its next batch
+        (TracerProvider.defer; once until it has run). Built where the pass's last bucket
+        completed, their spans took ~110 us a step (cold caches, and the GIL the optimizer
+        step wanted meanwhile). Under another provider: at once, where the pass's last
+        bucket completes (or one after its pass)."""
+        defer = getattr(self.tracing.provider, "defer", None)
+        if defer is None:
+            if late or len(self.completed) >= (len(self.layout) or 1):
+                self.record()
+        elif not self.pending:
+            self.pending = True
+            defer(self.record)
+
+    def next_pass(self) -> None:
+        """From the training loop's thread before the next pass: the reducer's per-gradient
+        times are the ending pass's until the next backward starts, so its buckets' ready
+        times are fixed now (for buckets recorded later, and those completing later), and
+        under another provider than crosstrace's its completed buckets are recorded."""
+        if self.sampled and self.reducer is not None:
+            try:
+                self.stats_before = self.reducer.get_backward_stats()
+            except (AttributeError, RuntimeError):
+                self.stats_before = None
+            for bucket in list(self.completed):
+                bucket.fix_ready(self.stats_before)
+        self.passes += 1
+        if getattr(self.tracing.provider, "defer", None) is None:
+            self.record()
+
+    def record(self) -> None:
+        """Turn the completed buckets into spans. Safe from several threads at once: each
+        bucket is popped once."""
+        self.pending = False
         completed = self.completed
         while completed:
             try:
@@ -1025,16 +1046,16 @@ class BucketTracer:
                 warn_once("ddp-trace", f"could not trace a DDP bucket ({exc!r}); gradients are synced untraced")
 
     def _span(self, bucket: "_InFlight") -> None:
-        parent = _parent(bucket.context, bucket.step, ("collective", self.keys.name, bucket.seq))
+        group, params, issued = bucket.group, bucket.params, bucket.issued
+        parent = _parent(bucket.context, bucket.step, ("collective", group.name, bucket.seq))
         if parent is False:
             return
-        group, params, issued = self.keys, bucket.params, bucket.issued
         attributes = _collective_keys(group, bucket.seq, "all_reduce", True, bucket.nbytes)
         attributes[sc.DDP_BUCKET] = bucket.index
         if params is not None:
             attributes[sc.DDP_PARAMS] = len(params)
-            stats = self.stats_before if bucket.pass_ != self.passes else None   # its pass is over
-            attributes[sc.DDP_READY_NS] = self._ready(params, issued, bucket.backward_start, stats)
+            bucket.fix_ready(None)   # its pass is not over (else this was done)
+            attributes[sc.DDP_READY_NS] = bucket.ready
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
         tracing = _tracing()
@@ -1072,25 +1093,27 @@ class BucketTracer:
 class _InFlight:
     """A bucket of a recorded pass, noted where it is issued (its number, size, time and
     the issuing thread's context), and its completion callback, which runs on a backend
-    thread: it stamps the end and queues the bucket for BucketTracer.record, which it calls
-    where the pass's last bucket completes. The backend drops its callbacks after completing
+    thread: it stamps the end and queues the bucket for BucketTracer.record (completed_one
+    says who runs it, and when). The backend drops its callbacks after completing
     the future, and dropping one takes the GIL, which aborts the process if the interpreter
     is already finalizing (a short script that exits right after its last backward). So the
     buckets not dropped yet are counted, and at exit crosstrace waits for them, briefly; and
     so does the tracer's shutdown, which the loop may reach before the last pass's callbacks
     ran (the reducer's wait returns before them): their spans would be dropped."""
 
-    __slots__ = ("tracer", "index", "seq", "nbytes", "params", "issued", "backward_start", "context", "step",
-                 "thread", "pass_", "end", "future", "error")
+    __slots__ = ("tracer", "group", "index", "seq", "nbytes", "params", "issued", "backward_start", "context",
+                 "step", "thread", "pass_", "end", "future", "error", "ready")
     held: list = []           # one entry per callback not dropped yet (append and pop are atomic)
     _exit_hook = False
 
     def __init__(self, tracer: BucketTracer, index: int, seq: int, nbytes: int, params):
         _InFlight.held.append(None)
         self.tracer, self.index, self.seq, self.nbytes, self.params = tracer, index, seq, nbytes, params
+        self.group = tracer.keys   # the model's group when issued: recorded later, it may have moved
         self.issued = tracer.tracing.now()
         self.backward_start, self.pass_ = tracer.backward_start, tracer.passes
         self.context, self.step, self.thread = current_context(), active_step(), threading.get_ident()
+        self.ready = None
         if not _InFlight._exit_hook:
             _InFlight._exit_hook = True
             atexit.register(_InFlight.at_exit)
@@ -1099,9 +1122,17 @@ class _InFlight:
     def __call__(self, future, error: BaseException | None = None) -> None:
         tracer = self.tracer
         self.end, self.future, self.error = tracer.tracing.now(), future, error   # its outcome is read later
+        late = self.pass_ != tracer.passes
+        if late:
+            self.fix_ready(tracer.stats_before)
         tracer.completed.append(self)
-        if len(tracer.completed) >= (len(tracer.layout) or 1) or self.pass_ != tracer.passes:
-            tracer.record()   # the pass's last bucket, or one completing after its pass
+        tracer.completed_one(late)
+
+    def fix_ready(self, stats) -> None:
+        """Fix the ready time (once), from the reducer's times of this bucket's pass: those
+        copied when it ended (`stats`), or None while it lasts (read now)."""
+        if self.ready is None and self.params is not None:
+            self.ready = self.tracer._ready(self.params, self.issued, self.backward_start, stats)
 
     def __del__(self):
         _InFlight.held.pop()
