@@ -132,6 +132,51 @@ def test_batches_of_large_spans_hold_about_a_megabyte(collector):
     assert max(seg.ByteSize() for seg in segments) < 1.25 * 2**20
 
 
+def test_a_batch_larger_than_max_unacked_mb_goes_at_once(collector):
+    """The first batch of large spans (sized before any was encoded) can exceed a small
+    max_unacked_mb alone: the exporter waited 5 s for room that nothing in flight could
+    make, and force_flush() timed out meanwhile."""
+    out = run_python("""
+        import crosstrace
+        p = crosstrace.init(max_unacked_mb=1, export_interval_ms=60000)
+        t = p.get_tracer("t")
+        for i in range(8192):
+            t.start_span("big", attributes={"prompt": "x" * 2048, "i": i}).end()
+        print(p.force_flush(3000), p.dropped_spans)
+    """, env=tracer_env(collector, "small-bound"), timeout=120)
+    assert out.stdout.split() == ["True", "0"], out.stderr
+    assert span_count(collector.store) == 8192
+
+
+def test_deferred_work_runs_while_a_stream_of_spans_waits_for_acks(tmp_path):
+    """Work instrumentation defers to the exporter (DDP's bucket spans) ran only between
+    rounds, and a round lasts while spans keep coming and acks do not: against a collector
+    that never acks, it had not run after 15 s."""
+    from .test_spool import hung_collector
+
+    server, port = hung_collector()
+    try:
+        out = run_python("""
+            import threading, time, crosstrace
+            p = crosstrace.init(max_unacked_mb=1, max_queue=5000)
+            t = p.get_tracer("t")
+            ran, deferred_at = threading.Event(), None
+            start = time.monotonic()
+            while not ran.is_set() and time.monotonic() < start + 10:
+                for i in range(100):
+                    t.start_span("s", attributes={"pad": "x" * 1000}).end()
+                time.sleep(0.001)
+                if deferred_at is None and time.monotonic() > start + 1:   # the exporter busy with a round
+                    deferred_at = time.monotonic()
+                    p.defer(ran.set)
+            print(ran.is_set())
+            import os; os._exit(0)   # no exit flush against a collector that never acks
+        """, env={"CROSSTRACE_ENDPOINT": f"127.0.0.1:{port}", "CROSSTRACE_NODE_ID": "deferring"}, timeout=60)
+    finally:
+        server.stop(0)
+    assert out.stdout.split() == ["True"], out.stderr
+
+
 def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
     """Lone surrogates (which Python strings hold and UTF-8 does not) in a span name and an
     attribute failed the encoding of their whole batch: every span of it was lost, and

@@ -48,7 +48,9 @@ BATCH_TARGET_BYTES = 1 << 20               # what a batch is sized for (see _par
 # (DataLoader workers): with the first round at once, children forked at start-up failed 3
 # times in about 65 runs (a half-imported grpc module, a lost flush, a crash in gRPC).
 _FIRST_ROUND_S = 0.2
-_ACK_WAIT_S = 5.0      # at most, for room among the unacked batches while the stream is up (see _await_room)
+_ACK_WAIT_S = 5.0      # at most, a round, for room among the unacked batches while the stream is up (_await_room)
+_FORK_QUIESCE_S = 1.0  # at most, before a fork, for the export stream's ack thread to leave gRPC
+_HANDOVER_S = 0.5      # of shutdown's time, kept for the exporter thread to hand its last batches over
 _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
 
 
@@ -151,7 +153,7 @@ class _Pending:
 
 
 class Exporter:
-    def __init__(self, cfg, clock, queue: ExportQueue):
+    def __init__(self, cfg, clock, queue: ExportQueue, connect_now: bool = True):
         self.cfg = cfg
         self.clock = clock
         self.queue = queue
@@ -168,8 +170,13 @@ class Exporter:
         self._pending_flushes: list[threading.Event] = []
         self._lock = threading.Lock()       # exporter-side state only; never taken by the hot path
         self._wake = threading.Event()
-        self._acked = threading.Event()     # set at each ack and when the stream ends
+        self._acked = threading.Event()     # set at each ack, when the stream ends, and at shutdown
+        self._room_deadline = 0.0           # how long _await_room may wait, this time round
+        self._spill_lock = threading.RLock()   # one spill at a time (the exporter's, shutdown's)
+        self._closed = False                # shutdown is done: batches made after are counted, not kept
         self._ever_acked = False            # then a closed socket is no sign of a TLS mismatch
+        self._ack_thread = None
+        self._forking = False               # between before_fork and after_fork_in_parent: no gRPC
         self._stopping = False
         self._sent_dropped = -1
         self._channel = None
@@ -183,8 +190,11 @@ class Exporter:
         try:
             # Opened here, before the program goes on: opened at the first full batch, the
             # stream's threads each waited for a GIL switch of a busy loop, which filled the
-            # queue meanwhile (9,458 spans lost 70 ms after init).
-            self._ensure_stream()
+            # queue meanwhile (9,458 spans lost 70 ms after init). Not inside a fork's hook
+            # (restart_after_fork): gRPC skips its own fork handlers while other threads are
+            # in calls (the ack reader always is), and a channel made there aborted children.
+            if connect_now:
+                self._ensure_stream()
         except Exception as exc:   # an unreadable TLS file: said once, retried on the exporter thread
             self._warn_once("export", f"crosstrace: export error: {exc!r}")
         self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
@@ -221,19 +231,25 @@ class Exporter:
         """A last clock-probe burst, the last flush, then stop (within timeout_s)."""
         deadline = time.monotonic() + timeout_s
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
-        flushed = self.flush(max(0.0, deadline - time.monotonic()))
+        # The flush leaves the thread time to batch what it holds (it may be waiting for acks
+        # of a collector that hangs): without it, the spill below missed those spans.
+        flushed = self.flush(max(0.0, deadline - time.monotonic() - min(_HANDOVER_S, timeout_s / 4)))
         self._stopping = True
         self._wake.set()
+        self._acked.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._prober.close()
         self._close_stream()
-        if self._spool is not None:
+        with self._spill_lock:
             try:
-                self._spill(everything=True)  # the next process that spools there replays what is left
-                self._spool.close()
+                if self._spool is not None:
+                    self._spill(everything=True)  # the next process that spools there replays what is left
+                    self._spool.close()
             except OSError as exc:            # never raise into the traced program at its exit
                 log.warning("crosstrace: could not keep the unacked batches in %s: %s", self.cfg.spool_dir, exc)
-                return False
+                flushed = False
+            finally:
+                self._closed = True
         return flushed
 
     def unacked_spans(self) -> tuple[int, int]:
@@ -248,7 +264,7 @@ class Exporter:
         parent's gRPC channel, threads and spool files are not touched."""
         if self._spool is not None:
             self._spool.forget_after_fork()
-        return Exporter(self.cfg, self.clock, self.queue)
+        return Exporter(self.cfg, self.clock, self.queue, connect_now=False)
 
     def forward(self, batch: "pb.SpanBatch") -> None:
         """Send another tracer's batch upstream under its own (session_id, seq) (a relay).
@@ -293,7 +309,6 @@ class Exporter:
                 flushes, self._pending_flushes = self._pending_flushes, []
             sent = False
             try:
-                self.queue.run_deferred()
                 self._send_queued()
                 sent = True
                 if self._unacked and self._ensure_stream() is None:
@@ -316,8 +331,12 @@ class Exporter:
         queue, samples = self.queue.queue, self.queue.samples
         dropped = self.queue.dropped + self.dropped
         first = True
-        while queue or samples or (first and dropped != self._sent_dropped):
+        while True:
+            self.queue.run_deferred()   # each time round: a stream of spans with slow acks starved it
+            if not (queue or samples or (first and dropped != self._sent_dropped)):
+                return
             first = False
+            self._room_deadline = time.monotonic() + _ACK_WAIT_S
             for part in batches(self.queue.take(), self._part_size):
                 self._send_spans(part, dropped)
 
@@ -364,6 +383,9 @@ class Exporter:
     def _send(self, batch, n_spans: int) -> None:
         self._await_room(encoded_size(batch))
         with self._lock:
+            if self._closed:   # this thread outlived shutdown's wait (a hung collector): counted, not kept
+                self.dropped += n_spans
+                return
             self._seq += 1
             self._order += 1
             batch.seq = self._seq
@@ -377,24 +399,31 @@ class Exporter:
 
     def _await_room(self, size: int) -> None:
         """While the stream is up and the unacked batches fill max_unacked_mb, wait for acks
-        (at most _ACK_WAIT_S) before adding a batch: the collector acks as it commits, and
-        meanwhile the bounded queue takes the burst, dropping and counting what overflows.
-        Sending on gave up the oldest unacked batches though they were on their way (345 of
-        8000 spans with 9 KB attributes, queued at once)."""
+        (at most until _ACK_WAIT_S into the round) before adding a batch: the collector acks
+        as it commits, and meanwhile the bounded queue takes the burst, dropping and counting
+        what overflows. Sending on gave up the oldest unacked batches though they were on
+        their way (345 of 8000 spans with 9 KB attributes, queued at once). The wait does the
+        deferred work; shutdown ends it."""
         bound = self.cfg.max_unacked_mb << 20
-        deadline = time.monotonic() + _ACK_WAIT_S
-        while self._memory_bytes + size > bound and self._requests is not None:
+        while self._memory_bytes + size > bound and self._memory_bytes and self._requests is not None:
             self._acked.clear()
-            if self._memory_bytes + size <= bound or self._requests is None:
+            if self._memory_bytes + size <= bound or self._requests is None or self._stopping:
                 return
-            left = deadline - time.monotonic()
+            left = self._room_deadline - time.monotonic()
             if left <= 0:
                 return
+            self.queue.run_deferred()
             self._acked.wait(min(left, 0.1))
 
     def _spill(self, everything: bool) -> None:
         """Move batches from memory to the spool: all of them, or the oldest until memory is
-        within max_unacked_mb. Without a spool the oldest beyond that bound are given up."""
+        within max_unacked_mb. Without a spool the oldest beyond that bound are given up.
+        Once shutdown has spilled and closed the spool, nothing (a late exporter thread's)."""
+        with self._spill_lock:
+            if not self._closed:
+                self._spill_unlocked(everything)
+
+    def _spill_unlocked(self, everything: bool) -> None:
         bound = self.cfg.max_unacked_mb << 20
         with self._lock:
             if self._spool is None:
@@ -483,23 +512,50 @@ class Exporter:
         """The open request stream, or None while the collector is unreachable (backoff)."""
         if self._requests is not None:
             return self._requests
-        if time.monotonic() < self._backoff_until:
+        if time.monotonic() < self._backoff_until or self._forking:
             return None
-        export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
-                                                   response_deserializer=pb.ExportAck.FromString)
+        channel = self._get_channel()
+        if channel is None:
+            return None
+        export = channel.stream_stream(_EXPORT_METHOD, request_serializer=None,
+                                       response_deserializer=pb.ExportAck.FromString)
         requests = _RequestStream()
         with self._lock:
             for entry in self._unacked.values():  # resend in order; the collector dedups
                 requests.append(entry)
             self._requests = requests
         call = export(iter(requests))
-        threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
-                         daemon=True).start()
+        self._ack_thread = threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
+                                            daemon=True)
+        self._ack_thread.start()
         return requests
 
-    def _get_channel(self) -> grpc.Channel:
-        """The one channel, opened at first use by the exporter or the clock prober."""
+    def before_fork(self) -> None:
+        """In the parent, before a fork: close the channel, which ends the export stream and
+        its ack thread. gRPC runs its fork handlers only while no thread is in a call, and
+        a child forked during one aborted in gRPC's poller as it exported (ev_epoll1's
+        g_active_poller check; most DataLoader-like children of a DDP job's ranks). The
+        parent reconnects after the fork and resends what is unacked (deduplicated)."""
         with self._lock:
+            self._forking = True
+            channel, self._channel = self._channel, None
+            ack_thread = self._ack_thread
+        if channel is not None:
+            channel.close()
+        if ack_thread is not None:
+            ack_thread.join(_FORK_QUIESCE_S)
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._backoff_until = 0.0
+        self._wake.set()
+
+    def _get_channel(self) -> grpc.Channel | None:
+        """The one channel, opened at first use by the exporter or the clock prober; None
+        while a fork is under way."""
+        with self._lock:
+            if self._forking:
+                return None
             if self._channel is None:
                 self._channel = open_channel(self.cfg)
             return self._channel
@@ -542,7 +598,7 @@ class Exporter:
                     log.error("crosstrace: the collector at %s refuses this tracer (%s: %s); check "
                               "CROSSTRACE_TOKEN. Spans are kept%s and retried", self.cfg.endpoint, code.name,
                               err.details(), " on disk" if self._spool else "")
-            elif not self._stopping:
+            elif not (self._stopping or self._forking):
                 details = err.details() or ""
                 hint = ""
                 if "Socket closed" in details and not self.cfg.uses_tls and not self._ever_acked:
