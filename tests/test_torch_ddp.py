@@ -463,3 +463,42 @@ def test_a_bucket_completing_late_as_the_tracer_shuts_down_is_recorded(tmp_path)
     assert [r["dropped"] for r in reports] == [0, 0], [r["stderr"][-2000:] for r in reports]
     buckets = [s for s in stored if s["name"] == "ddp.all_reduce"]
     assert sorted(s["rank"] for s in buckets) == [0, 1]
+
+
+FORK_WORKER = """
+import json, os, multiprocessing as mp
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crosstrace
+from crosstrace.tracer.instrument.torch_dist import _InFlight, _tracers
+
+provider = crosstrace.init()
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = crosstrace.instrument_ddp(DDP(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)), bucket_cap_mb=0.01))
+def worker():   # a DataLoader worker, forked as the next epoch starts; gone without an exit flush
+    os._exit(0 if not _InFlight.held and not any(t.completed for t in _tracers.values()) else 3)
+codes = []
+for epoch in range(2):
+    for k in range(2):
+        with crosstrace.step(epoch * 10 + k):
+            model(torch.randn(4, 32)).sum().backward()
+    child = mp.get_context("fork").Process(target=worker)
+    child.start()
+    child.join(30)
+    codes.append(child.exitcode)
+print(json.dumps({"children": codes, "flushed": provider.force_flush(30000)}))
+"""
+
+
+def test_forked_workers_do_not_inherit_buckets_in_flight(tmp_path):
+    """A DataLoader worker forked right after a step held the parent's buckets whose
+    callbacks it has none of: its exit waited for them (1 s, at every epoch's end)."""
+    from crosstrace.launch import CollectorProcess
+
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        reports = run_ranks(FORK_WORKER, 2, collector, job_id="ddp-fork")
+        rows = spans(collector)
+    assert [(r["children"], r["flushed"]) for r in reports] == [([0, 0], True)] * 2, reports
+    buckets = collections.Counter((r["rank"], r["a"][sc.COLL_SEQ]) for r in rows if r["name"] == "ddp.all_reduce")
+    assert len(buckets) >= 8 and set(buckets.values()) == {1}     # 2 ranks x 4 steps, none twice

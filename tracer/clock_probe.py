@@ -105,11 +105,13 @@ class ClockProber:
         answered ("" if none did, or the collector did not say): samples name it, so that
         the collector can place one answered before it came back on another clock (a batch
         held while it was away)."""
-        exchange = self._get_channel().unary_unary(
-            _CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
-            response_deserializer=pb.ClockProbeReply.FromString)
-        clock_now, node = self.clock.now, self.cfg.node_id
         answered, clock = False, ""
+        channel = self._get_channel()
+        if channel is None:   # a fork under way
+            return answered, clock
+        exchange = channel.unary_unary(_CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
+                                       response_deserializer=pb.ClockProbeReply.FromString)
+        clock_now, node = self.clock.now, self.cfg.node_id
         for _ in range(self.cfg.clock_probe_burst):
             t1 = clock_now()
             try:

@@ -50,6 +50,7 @@ import atexit
 import functools
 import inspect
 import itertools
+import os
 import sys
 import threading
 import time
@@ -1135,7 +1136,10 @@ class _InFlight:
             self.ready = self.tracer._ready(self.params, self.issued, self.backward_start, stats)
 
     def __del__(self):
-        _InFlight.held.pop()
+        try:
+            _InFlight.held.pop()
+        except IndexError:   # one of a parent's, in a forked child that forgot them
+            pass
 
     @staticmethod
     def at_exit(timeout_s: float = 1.0) -> None:
@@ -1147,3 +1151,16 @@ class _InFlight:
             if not _InFlight.held or time.monotonic() >= deadline:
                 return
             time.sleep(0.001)
+
+
+def _forget_buckets_after_fork() -> None:
+    """In a forked child (a DataLoader worker): the parent's buckets in flight are not the
+    child's. Kept, its exit waited a second for callbacks it has none of, at every epoch's
+    end, and recorded spans the parent records."""
+    for tracer in list(_tracers.values()):
+        tracer.completed, tracer.pending = [], False
+    _InFlight.held.clear()
+
+
+if AVAILABLE:
+    os.register_at_fork(after_in_child=_forget_buckets_after_fork)
