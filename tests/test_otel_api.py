@@ -426,9 +426,14 @@ def test_malformed_settings_are_reported_and_urls_are_taken(monkeypatch):
     assert Config.from_env(endpoint="http://collector.local:4327/").endpoint == "collector.local:4327"
     secure = Config.from_env(endpoint="https://collector.local:4327")
     assert (secure.endpoint, secure.uses_tls) == ("collector.local:4327", True)
+    assert Config.from_env(endpoint="unix:///run/crosstrace.sock").endpoint == "unix:///run/crosstrace.sock"
     monkeypatch.setenv("CROSSTRACE_ENDPOINT", "collector.local")               # no port
     with pytest.warns(RuntimeWarning, match="ignoring endpoint 'collector.local'.*using 127.0.0.1:4327"):
         assert Config.from_env().endpoint == "127.0.0.1:4327"
+    for bad in ("https://collector.local", "grpc://collector.local:4327"):     # no port; not a scheme gRPC takes
+        with pytest.warns(RuntimeWarning, match="ignoring endpoint"):
+            fallback = Config.from_env(endpoint=bad)
+        assert (fallback.endpoint, fallback.uses_tls) == ("127.0.0.1:4327", False)
 
 
 def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector):
