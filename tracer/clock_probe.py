@@ -56,6 +56,12 @@ class ClockProber:
             self._wake.set()
             self._bursts.wait_for(lambda: self._finished >= target or self._stopping, timeout_s)
 
+    def wait_idle(self, timeout_s: float) -> None:
+        """Until no burst is under way (at most timeout_s): before a fork, no call of its may
+        be open (see Exporter.before_fork)."""
+        with self._bursts:
+            self._bursts.wait_for(lambda: self._finished >= self._started or self._stopping, timeout_s)
+
     def close(self) -> None:
         self._stopping = True
         self._wake.set()

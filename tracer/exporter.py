@@ -544,6 +544,7 @@ class Exporter:
             channel.close()
         if ack_thread is not None:
             ack_thread.join(_FORK_QUIESCE_S)
+        self._prober.wait_idle(_FORK_QUIESCE_S)   # a probe burst's call ends with the channel
 
     def after_fork_in_parent(self) -> None:
         self._forking = False
