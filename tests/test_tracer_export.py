@@ -293,6 +293,26 @@ def test_spans_ended_on_other_threads_arrive(collector):
     assert wait_until(lambda: span_count(collector.store) == 2000, 5)
 
 
+def test_a_forked_child_that_records_nothing_sends_nothing(collector):
+    """gRPC cannot fully hand a forked child a process whose export stream was open (children
+    of DDP ranks aborted in its poller): a child (a DataLoader worker) touches gRPC only
+    once it has spans to send. It sent a first batch, and probed the clock, at once."""
+    out = run_python("""
+        import multiprocessing as mp, time, crosstrace
+        p = crosstrace.init()
+        with p.get_tracer("t").start_as_current_span("parent"):
+            pass
+        child = mp.get_context("fork").Process(target=time.sleep, args=(0.5,))   # past its first round
+        child.start()
+        child.join(30)
+        print(child.exitcode, p.force_flush(20000))
+    """, env=tracer_env(collector, "quiet-children"), timeout=60)
+    assert out.stdout.split() == ["0", "True"], out.stderr
+    with Store(collector.store, readonly=True) as store:
+        sessions = store.db.execute("SELECT count(*) FROM sessions").fetchone()[0]
+    assert sessions == 1     # the parent's
+
+
 def test_the_exporter_thread_imports_nothing(collector):
     """A module the exporter thread imports for the first time is half-initialised in a
     child forked at that moment (grpc imports its channel module on the first channel),

@@ -33,7 +33,9 @@ _UDP_GIVE_UP_AFTER = 3       # rounds UDP went unanswered where gRPC answered, b
 
 
 class ClockProber:
-    def __init__(self, cfg, clock, samples, get_channel):
+    def __init__(self, cfg, clock, samples, get_channel, idle: bool = False):
+        """`idle`: no probe until start() (a forked child that may never export: see
+        Exporter.__init__)."""
         self.cfg = cfg
         self.clock = clock
         self.samples = samples          # deque drained into the next batch
@@ -45,22 +47,25 @@ class ClockProber:
         self._warned = False
         self._bursts = threading.Condition(threading.Lock())
         self._started = self._finished = 0     # bursts, for probe_now()
+        self.idle = idle
         self._thread = threading.Thread(target=self._run, name="crosstrace-clock-probe", daemon=True)
         self._thread.start()
+
+    def start(self) -> None:
+        """Begin probing (an idle prober), with a burst at once."""
+        if self.idle:
+            self.idle = False
+            self._wake.set()
 
     def probe_now(self, timeout_s: float) -> None:
         """Wait (at most timeout_s) for a burst that starts after this call (at exit: a
         short-lived process then still has samples close to its last spans)."""
+        if self.idle:
+            return
         with self._bursts:
             target = self._started + 1
             self._wake.set()
             self._bursts.wait_for(lambda: self._finished >= target or self._stopping, timeout_s)
-
-    def wait_idle(self, timeout_s: float) -> None:
-        """Until no burst is under way (at most timeout_s): before a fork, no call of its may
-        be open (see Exporter.before_fork)."""
-        with self._bursts:
-            self._bursts.wait_for(lambda: self._finished >= self._started or self._stopping, timeout_s)
 
     def close(self) -> None:
         self._stopping = True
@@ -73,7 +78,7 @@ class ClockProber:
             self._sources.stop()
 
     def _run(self) -> None:
-        wait = min(self.cfg.clock_probe_interval_s, _FIRST_BURST_S)
+        wait = None if self.idle else min(self.cfg.clock_probe_interval_s, _FIRST_BURST_S)
         while True:
             self._wake.wait(wait)
             self._wake.clear()
@@ -111,13 +116,11 @@ class ClockProber:
         answered ("" if none did, or the collector did not say): samples name it, so that
         the collector can place one answered before it came back on another clock (a batch
         held while it was away)."""
-        answered, clock = False, ""
-        channel = self._get_channel()
-        if channel is None:   # a fork under way
-            return answered, clock
-        exchange = channel.unary_unary(_CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
-                                       response_deserializer=pb.ClockProbeReply.FromString)
+        exchange = self._get_channel().unary_unary(
+            _CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
+            response_deserializer=pb.ClockProbeReply.FromString)
         clock_now, node = self.clock.now, self.cfg.node_id
+        answered, clock = False, ""
         for _ in range(self.cfg.clock_probe_burst):
             t1 = clock_now()
             try:

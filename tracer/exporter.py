@@ -153,7 +153,11 @@ class _Pending:
 
 
 class Exporter:
-    def __init__(self, cfg, clock, queue: ExportQueue, connect_now: bool = True):
+    def __init__(self, cfg, clock, queue: ExportQueue, forked: bool = False):
+        """`forked`: in a forked child, which touches gRPC only once it has something to
+        send: gRPC skips its fork handlers while a call is open (the parent's export stream
+        always is), and a child's gRPC then aborted in its poller now and then (children of
+        DDP ranks); a DataLoader worker that records nothing must never be at that risk."""
         self.cfg = cfg
         self.clock = clock
         self.queue = queue
@@ -178,22 +182,20 @@ class Exporter:
         self._ack_thread = None
         self._forking = False               # between before_fork and after_fork_in_parent: no gRPC
         self._stopping = False
-        self._sent_dropped = -1
+        self._sent_dropped = 0 if forked else -1   # -1: a first batch at once, which says who this is
         self._channel = None
         self._requests = None
         self._backoff_until = 0.0
         self._backoff = 0.1
         self._warned: set[str] = set()
         self._spool = self._open_spool()
-        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel)
+        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel, idle=forked)
         queue.wake = self._wake.set
         try:
             # Opened here, before the program goes on: opened at the first full batch, the
             # stream's threads each waited for a GIL switch of a busy loop, which filled the
-            # queue meanwhile (9,458 spans lost 70 ms after init). Not inside a fork's hook
-            # (restart_after_fork): gRPC skips its own fork handlers while other threads are
-            # in calls (the ack reader always is), and a channel made there aborted children.
-            if connect_now:
+            # queue meanwhile (9,458 spans lost 70 ms after init).
+            if not forked:
                 self._ensure_stream()
         except Exception as exc:   # an unreadable TLS file: said once, retried on the exporter thread
             self._warn_once("export", f"crosstrace: export error: {exc!r}")
@@ -264,7 +266,7 @@ class Exporter:
         parent's gRPC channel, threads and spool files are not touched."""
         if self._spool is not None:
             self._spool.forget_after_fork()
-        return Exporter(self.cfg, self.clock, self.queue, connect_now=False)
+        return Exporter(self.cfg, self.clock, self.queue, forked=True)
 
     def forward(self, batch: "pb.SpanBatch") -> None:
         """Send another tracer's batch upstream under its own (session_id, seq) (a relay).
@@ -381,6 +383,7 @@ class Exporter:
         self._send(batch, n)
 
     def _send(self, batch, n_spans: int) -> None:
+        self._prober.start()   # (a forked child's, at its first batch)
         self._await_room(encoded_size(batch))
         with self._lock:
             if self._closed:   # this thread outlived shutdown's wait (a hung collector): counted, not kept
@@ -544,7 +547,6 @@ class Exporter:
             channel.close()
         if ack_thread is not None:
             ack_thread.join(_FORK_QUIESCE_S)
-        self._prober.wait_idle(_FORK_QUIESCE_S)   # a probe burst's call ends with the channel
 
     def after_fork_in_parent(self) -> None:
         self._forking = False

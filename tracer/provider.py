@@ -436,14 +436,6 @@ class TracerProvider(trace_api.TracerProvider):
                         "(threads still running at shutdown or at exit)", late)
         return self._flushed
 
-    def _before_fork(self) -> None:
-        if self._exporter is not None and not self._shutdown:
-            self._exporter.before_fork()
-
-    def _after_fork_in_parent(self) -> None:
-        if self._exporter is not None and not self._shutdown:
-            self._exporter.after_fork_in_parent()
-
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
         self._queue.reset_after_fork()
@@ -472,23 +464,13 @@ def _at_exit() -> None:
         _exit_hook(provider)
 
 
-def _before_fork() -> None:
-    for provider in list(_providers):
-        provider._before_fork()
-
-
-def _after_fork_in_parent() -> None:
-    for provider in list(_providers):
-        provider._after_fork_in_parent()
-
-
 def _after_fork() -> None:
     for provider in list(_providers):
         provider._after_fork_in_child()
 
 
 atexit.register(_at_exit)
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _exit_hook(provider: TracerProvider) -> None:
