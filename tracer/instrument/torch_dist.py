@@ -1055,7 +1055,7 @@ class BucketTracer:
         attributes[sc.DDP_BUCKET] = bucket.index
         if params is not None:
             attributes[sc.DDP_PARAMS] = len(params)
-            bucket.fix_ready(None)   # its pass is not over (else this was done)
+            bucket.fix_ready(None if bucket.pass_ == self.passes else self.stats_before)   # (if not done yet)
             attributes[sc.DDP_READY_NS] = bucket.ready
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
