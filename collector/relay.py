@@ -18,7 +18,6 @@ Exporter, wired in by `crosstrace collector`; here it is any object with
 `forward(batch)` that returns once the batch is durable.
 """
 import logging
-import threading
 
 from ..proto import pb
 from .store import MEASURED_HERE
@@ -46,17 +45,14 @@ class Relay:
         self.upstream = upstream
         self.clock = clock
         self.mark = upstream.session_id   # this relay process: node ids need not be unique
-        self.looped = 0                   # batches that came back, kept here only
-        self._lock = threading.Lock()
+        self._warned = False
 
     def came_back(self, batch: "pb.SpanBatch") -> bool:
         """Whether `batch` passed this relay before: stored here then, forwarded no further."""
         if self.mark not in batch.relayed_by:
             return False
-        with self._lock:
-            self.looped += 1
-            first = self.looped == 1
-        if first:
+        if not self._warned:
+            self._warned = True
             log.warning("crosstrace relay %s: a batch from %s came back after %d relay(s): a forwarding loop "
                         "(check each relay's --forward-to); such batches are not stored or forwarded again",
                         self.node_id, batch.resource.node_id, len(batch.relayed_by))

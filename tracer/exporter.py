@@ -49,7 +49,6 @@ BATCH_TARGET_BYTES = 1 << 20               # what a batch is sized for (see _par
 # times in about 65 runs (a half-imported grpc module, a lost flush, a crash in gRPC).
 _FIRST_ROUND_S = 0.2
 _ACK_WAIT_S = 5.0      # at most, a round, for room among the unacked batches while the stream is up (_await_room)
-_FORK_QUIESCE_S = 1.0  # at most, before a fork, for the export stream's ack thread to leave gRPC
 _HANDOVER_S = 0.5      # of shutdown's time, kept for the exporter thread to hand its last batches over
 _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
 
@@ -179,8 +178,6 @@ class Exporter:
         self._spill_lock = threading.RLock()   # one spill at a time (the exporter's, shutdown's)
         self._closed = False                # shutdown is done: batches made after are counted, not kept
         self._ever_acked = False            # then a closed socket is no sign of a TLS mismatch
-        self._ack_thread = None
-        self._forking = False               # between before_fork and after_fork_in_parent: no gRPC
         self._stopping = False
         self._sent_dropped = 0 if forked else -1   # -1: a first batch at once, which says who this is
         self._channel = None
@@ -354,12 +351,13 @@ class Exporter:
         refused whole: 20,000 spans with 9 KB prompts as attributes lost 16,384), or halved
         while it fails, until only the span that cannot be encoded is dropped."""
         batch = pb.SpanBatch(resource=self.resource, session_id=self.session_id, dropped_spans=dropped)
-        n = len(part[0])
+        n = size = len(part[0])
         if n:
             try:
                 encode_spans(batch, part)
-                self._span_bytes = max(1, encoded_size(batch) // n)
-                split = n > 1 and encoded_size(batch) > MAX_BATCH_BYTES
+                size = encoded_size(batch)
+                self._span_bytes = max(1, size // n)
+                split = n > 1 and size > MAX_BATCH_BYTES
             except Exception as exc:   # a value no encoding takes (its str() raises): halves find its
                 if n == 1:             # span, which alone is dropped and counted
                     self._warn_once("encode", f"crosstrace: could not encode span {part[3][0]!r} ({exc!r}); "
@@ -380,11 +378,12 @@ class Exporter:
                 into.append(sample)
         add_piggyback_samples(into, trailers)
         self._sent_dropped = dropped
-        self._send(batch, n)
+        self._send(batch, n, size)
 
-    def _send(self, batch, n_spans: int) -> None:
+    def _send(self, batch, n_spans: int, size: int) -> None:
+        """`size`: about the batch's encoded bytes (encode.encoded_size)."""
         self._prober.start()   # (a forked child's, at its first batch)
-        self._await_room(encoded_size(batch))
+        self._await_room(size)
         with self._lock:
             if self._closed:   # this thread outlived shutdown's wait (a hung collector): counted, not kept
                 self.dropped += n_spans
@@ -408,9 +407,10 @@ class Exporter:
         their way (345 of 8000 spans with 9 KB attributes, queued at once). The wait does the
         deferred work; shutdown ends it."""
         bound = self.cfg.max_unacked_mb << 20
-        while self._memory_bytes + size > bound and self._memory_bytes and self._requests is not None:
-            self._acked.clear()
-            if self._memory_bytes + size <= bound or self._requests is None or self._stopping:
+        while True:
+            self._acked.clear()   # before the test: an ack between the two is not missed
+            full = self._memory_bytes and self._memory_bytes + size > bound
+            if not full or self._requests is None or self._stopping:
                 return
             left = self._room_deadline - time.monotonic()
             if left <= 0:
@@ -515,50 +515,23 @@ class Exporter:
         """The open request stream, or None while the collector is unreachable (backoff)."""
         if self._requests is not None:
             return self._requests
-        if time.monotonic() < self._backoff_until or self._forking:
+        if time.monotonic() < self._backoff_until:
             return None
-        channel = self._get_channel()
-        if channel is None:
-            return None
-        export = channel.stream_stream(_EXPORT_METHOD, request_serializer=None,
-                                       response_deserializer=pb.ExportAck.FromString)
+        export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
+                                                   response_deserializer=pb.ExportAck.FromString)
         requests = _RequestStream()
         with self._lock:
             for entry in self._unacked.values():  # resend in order; the collector dedups
                 requests.append(entry)
             self._requests = requests
         call = export(iter(requests))
-        self._ack_thread = threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
-                                            daemon=True)
-        self._ack_thread.start()
+        threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
+                         daemon=True).start()
         return requests
 
-    def before_fork(self) -> None:
-        """In the parent, before a fork: close the channel, which ends the export stream and
-        its ack thread. gRPC runs its fork handlers only while no thread is in a call, and
-        a child forked during one aborted in gRPC's poller as it exported (ev_epoll1's
-        g_active_poller check; most DataLoader-like children of a DDP job's ranks). The
-        parent reconnects after the fork and resends what is unacked (deduplicated)."""
+    def _get_channel(self) -> grpc.Channel:
+        """The one channel, opened at first use by the exporter or the clock prober."""
         with self._lock:
-            self._forking = True
-            channel, self._channel = self._channel, None
-            ack_thread = self._ack_thread
-        if channel is not None:
-            channel.close()
-        if ack_thread is not None:
-            ack_thread.join(_FORK_QUIESCE_S)
-
-    def after_fork_in_parent(self) -> None:
-        self._forking = False
-        self._backoff_until = 0.0
-        self._wake.set()
-
-    def _get_channel(self) -> grpc.Channel | None:
-        """The one channel, opened at first use by the exporter or the clock prober; None
-        while a fork is under way."""
-        with self._lock:
-            if self._forking:
-                return None
             if self._channel is None:
                 self._channel = open_channel(self.cfg)
             return self._channel
@@ -601,7 +574,7 @@ class Exporter:
                     log.error("crosstrace: the collector at %s refuses this tracer (%s: %s); check "
                               "CROSSTRACE_TOKEN. Spans are kept%s and retried", self.cfg.endpoint, code.name,
                               err.details(), " on disk" if self._spool else "")
-            elif not (self._stopping or self._forking):
+            elif not self._stopping:
                 details = err.details() or ""
                 hint = ""
                 if "Socket closed" in details and not self.cfg.uses_tls and not self._ever_acked:

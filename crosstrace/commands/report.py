@@ -1,8 +1,10 @@
 """`crosstrace report` and `crosstrace export`: read a store, analyse, write views."""
 import argparse
 import json
+import os
 import sys
 
+from ..collector.durations import parse_ns
 from ..collector.wording import counted
 
 
@@ -78,8 +80,6 @@ def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_
 
 def check_writable(*paths: str | None) -> None:
     """Say now, before minutes of analysis, that an output cannot be written."""
-    import os
-
     for path in paths:
         if not path or path == "-":
             continue
@@ -148,8 +148,6 @@ def _shown(path: str) -> str:
 def duration(text: str) -> int:
     """argparse type of a duration such as 90s, 15min, 2h or 7d (collector/durations.py), in
     ns, at most 100 years."""
-    from ..collector.durations import parse_ns
-
     value = parse_ns(text)
     if value is None or not 0 < value <= 100 * 365 * 86400e9:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d (ns, us, ms, s, "

@@ -1007,13 +1007,17 @@ class BucketTracer:
         completed, their spans took ~110 us a step (cold caches, and the GIL the optimizer
         step wanted meanwhile). Under another provider: at once, where the pass's last
         bucket completes (or one after its pass)."""
-        defer = getattr(self.tracing.provider, "defer", None)
+        defer = self._defer()
         if defer is None:
             if late or len(self.completed) >= (len(self.layout) or 1):
                 self.record()
         elif not self.pending:
             self.pending = True
             defer(self.record)
+
+    def _defer(self):
+        """The provider's TracerProvider.defer; None under another provider (records at once)."""
+        return getattr(self.tracing.provider, "defer", None)
 
     def next_pass(self) -> None:
         """From the training loop's thread before the next pass: the reducer's per-gradient
@@ -1025,10 +1029,10 @@ class BucketTracer:
                 self.stats_before = self.reducer.get_backward_stats()
             except (AttributeError, RuntimeError):
                 self.stats_before = None
-            for bucket in list(self.completed):
-                bucket.fix_ready(self.stats_before)
         self.passes += 1
-        if getattr(self.tracing.provider, "defer", None) is None:
+        for bucket in list(self.completed):
+            bucket.fix_ready()
+        if self._defer() is None:
             self.record()
 
     def record(self) -> None:
@@ -1055,7 +1059,7 @@ class BucketTracer:
         attributes[sc.DDP_BUCKET] = bucket.index
         if params is not None:
             attributes[sc.DDP_PARAMS] = len(params)
-            bucket.fix_ready(None if bucket.pass_ == self.passes else self.stats_before)   # (if not done yet)
+            bucket.fix_ready()
             attributes[sc.DDP_READY_NS] = bucket.ready
         if self.hook_name is not None:
             attributes[sc.DDP_HOOK] = self.hook_name
@@ -1125,15 +1129,17 @@ class _InFlight:
         self.end, self.future, self.error = tracer.tracing.now(), future, error   # its outcome is read later
         late = self.pass_ != tracer.passes
         if late:
-            self.fix_ready(tracer.stats_before)
+            self.fix_ready()
         tracer.completed.append(self)
         tracer.completed_one(late)
 
-    def fix_ready(self, stats) -> None:
-        """Fix the ready time (once), from the reducer's times of this bucket's pass: those
-        copied when it ended (`stats`), or None while it lasts (read now)."""
+    def fix_ready(self) -> None:
+        """Fix the ready time (once), from the reducer's times of this bucket's pass: read now
+        while it lasts, else those copied when it ended (BucketTracer.next_pass)."""
         if self.ready is None and self.params is not None:
-            self.ready = self.tracer._ready(self.params, self.issued, self.backward_start, stats)
+            tracer = self.tracer
+            stats = None if self.pass_ == tracer.passes else tracer.stats_before
+            self.ready = tracer._ready(self.params, self.issued, self.backward_start, stats)
 
     def __del__(self):
         try:
