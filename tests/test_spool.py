@@ -355,3 +355,34 @@ def test_a_node_folder_removed_while_adopting_costs_nothing(tmp_path, monkeypatc
     monkeypatch.setattr(spool_mod.os, "scandir", scandir)
     found = spool_mod.Spool(str(root), "next", b"n" * 16).adopt()
     assert [(item.seq, item.spans) for item in found] == [(7, 1)]
+
+
+def test_children_batches_are_taken_once_and_a_dropped_one_is_let_go(tmp_path):
+    """What a parent reads of its forked children's handover folders (spool.ChildBatches):
+    each batch once, in the order its child wrote it; one its child dropped (its spool full)
+    is reported gone, so that the parent does not wait for its ack; a gone child's folder
+    is removed once empty."""
+    from crosstrace.tracer.spool import ChildBatches, Spool, children_folder, parent_sends
+
+    parent = b"p" * 16
+    batches = ChildBatches(str(tmp_path), parent)
+    assert batches.new() == ([], []) and not parent_sends(str(tmp_path), parent, os.getpid())
+    batches.start()
+    assert parent_sends(str(tmp_path), parent, os.getpid())
+    child = Spool(*children_folder(str(tmp_path), parent), b"c" * 16)
+    first, second = child.write(b"one", 1, 10), child.write(b"two", 2, 20)
+    found, gone = batches.new()
+    assert [(b.seq, b.spans, b.size) for b in found] == [(1, 10, 3), (2, 20, 3)] and gone == []
+    assert batches.new() == ([], [])
+    child.remove(first)                       # the child drops its oldest
+    found, gone = batches.new()
+    assert found == [] and gone == [first.path]
+    batches.remove(second)                    # acked: the parent removes it
+    assert not os.path.exists(second.path)
+    batches.new()
+    assert os.path.isdir(child.dir)           # the child lives (holds its lock): its folder stays
+    child.forget_after_fork()                 # its lock let go, as by a child killed
+    batches.new()
+    assert not os.path.exists(child.dir)
+    batches.close()
+    assert not os.path.exists(batches.dir) and not parent_sends(str(tmp_path), parent, os.getpid())

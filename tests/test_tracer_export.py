@@ -245,6 +245,91 @@ def test_forked_children_export_their_own_spans(collector):
     store.close()
 
 
+def test_forked_children_hand_their_spans_to_the_parent_and_never_touch_grpc(collector):
+    """gRPC cannot hand a forked child a process whose export stream is open: children that
+    exported on channels of their own aborted in gRPC's poller (2 of 24 children of DDP
+    ranks). Children hand their batches over to the parent, which sends them; here while
+    the parent's stream is busy."""
+    out = run_python("""
+        import multiprocessing as mp, os, threading, crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        busy = threading.Event()
+        def parent_work():
+            while not busy.is_set():
+                with tracer.start_as_current_span("in-parent"):
+                    pass
+        threading.Thread(target=parent_work, daemon=True).start()
+        def worker(i):
+            for j in range(300):
+                with tracer.start_as_current_span("in-worker", attributes={"worker": i}):
+                    pass
+            assert p.force_flush(20000)   # True once the parent has sent them and they are acked
+            raise SystemExit(3 if p._exporter._channel is not None else 0)
+        procs = [mp.get_context("fork").Process(target=worker, args=(i,)) for i in range(6)]
+        [q.start() for q in procs]
+        [q.join(60) for q in procs]
+        busy.set()
+        print([q.exitcode for q in procs], p.force_flush(20000))
+        folder = p._exporter._children.dir
+        p.shutdown()
+        print(os.path.exists(folder))
+    """, env=tracer_env(collector, "hands-over"), timeout=120)
+    assert out.stdout.split() == ["[0,", "0,", "0,", "0,", "0,", "0]", "True", "False"], out.stdout + out.stderr
+    with Store(collector.store, readonly=True) as store:
+        table = spantable.load(store)
+        sessions = store.db.execute("SELECT count(*) FROM sessions").fetchone()[0]
+    workers = [a["worker"] for a, n in zip(table.attributes, table.name) if table.names[n] == "in-worker"]
+    assert sorted(workers) == sorted(list(range(6)) * 300)
+    assert sessions == 7   # the parent's and one per child: each child's batches keep their own ids
+
+
+def test_a_child_whose_parent_stopped_tracing_sends_its_spans_itself(collector):
+    out = run_python("""
+        import os, time, crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        with tracer.start_as_current_span("parent"):
+            pass
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.5)   # the parent's tracer shuts down meanwhile: nothing takes a handover
+            for i in range(10):
+                with tracer.start_as_current_span("late-child"):
+                    pass
+            os._exit(0 if p.shutdown() else 1)
+        print(p.shutdown(), os.waitpid(pid, 0)[1])
+    """, env=tracer_env(collector, "orphan"), timeout=60)
+    assert out.stdout.split() == ["True", "0"], out.stdout + out.stderr
+    assert wait_until(lambda: span_count(collector.store) == 11, 10)
+
+
+def test_a_childs_handover_outlives_its_parent_in_the_spool(collector, tmp_path):
+    """The parent (spool_dir set, its collector away) is killed with its child's batches
+    handed over and unsent: the next process that spools there sends them."""
+    spool = str(tmp_path / "spool")
+    out = run_python("""
+        import os, signal, crosstrace
+        p = crosstrace.init(endpoint="127.0.0.1:9", spool_dir=%r)
+        tracer = p.get_tracer("t")
+        pid = os.fork()
+        if pid == 0:
+            for i in range(50):
+                with tracer.start_as_current_span("child-of-killed"):
+                    pass
+            os._exit(0 if p.shutdown() else 1)
+        print(os.waitpid(pid, 0)[1], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """ % spool, timeout=60, check=False)
+    assert out.stdout.split() == ["0"], out.stdout + out.stderr
+    replay = run_python("""
+        import crosstrace
+        print(crosstrace.init(spool_dir=%r).force_flush(20000))
+    """ % spool, env=tracer_env(collector, "next"), timeout=60)
+    assert replay.stdout.split() == ["True"], replay.stderr
+    assert wait_until(lambda: span_count(collector.store) == 50, 10)
+
+
 def test_tracer_never_blocks_when_the_collector_is_unreachable():
     provider = crosstrace.TracerProvider(endpoint="127.0.0.1:9", node_id="offline")
     tracer = provider.get_tracer("t")

@@ -35,7 +35,7 @@ from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_samples
 from .encode import FIELDS, batches, encode_spans, encoded_size
-from .spool import Spool
+from .spool import ChildBatches, Spool, children_folder, parent_sends
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -51,6 +51,7 @@ _FIRST_ROUND_S = 0.2
 _ACK_WAIT_S = 5.0      # at most, a round, for room among the unacked batches while the stream is up (_await_room)
 _HANDOVER_S = 0.5      # of shutdown's time, kept for the exporter thread to hand its last batches over
 _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
+_HANDOVER_POLL_S = 0.05   # how often batches handed over by forked children are looked for, and their acks
 
 
 class ExportQueue:
@@ -152,11 +153,13 @@ class _Pending:
 
 
 class Exporter:
-    def __init__(self, cfg, clock, queue: ExportQueue, forked: bool = False):
-        """`forked`: in a forked child, which touches gRPC only once it has something to
-        send: gRPC skips its fork handlers while a call is open (the parent's export stream
-        always is), and a child's gRPC then aborted in its poller now and then (children of
-        DDP ranks); a DataLoader worker that records nothing must never be at that risk."""
+    def __init__(self, cfg, clock, queue: ExportQueue, parent: tuple[bytes, int] | None = None):
+        """`parent`: in a forked child (a DataLoader worker), the (session id, pid) of the
+        process whose children hand their batches over to it (ChildBatches), which sends
+        them. The child never touches gRPC while that process's tracer lives: gRPC skips its
+        fork handlers while a call is open (the parent's export stream always is), and a
+        child's own channel then aborted in gRPC's poller now and then (2 of 24 children of
+        DDP ranks). Its clock is the parent's, which the parent probes."""
         self.cfg = cfg
         self.clock = clock
         self.queue = queue
@@ -179,20 +182,23 @@ class Exporter:
         self._closed = False                # shutdown is done: batches made after are counted, not kept
         self._ever_acked = False            # then a closed socket is no sign of a TLS mismatch
         self._stopping = False
-        self._sent_dropped = 0 if forked else -1   # -1: a first batch at once, which says who this is
+        self._sent_dropped = 0 if parent else -1   # -1: a first batch at once, which says who this is
         self._channel = None
         self._requests = None
         self._backoff_until = 0.0
         self._backoff = 0.1
         self._warned: set[str] = set()
-        self._spool = self._open_spool()
-        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel, idle=forked)
+        self._parent = parent               # a forked child's, while it hands its batches over
+        self._forked = False                # whether this process has forked (children may hand over)
+        self._children = None if parent else ChildBatches(cfg.spool_dir, self.session_id)
+        self._spool = None if parent else self._open_spool()   # a child's: at its first batch
+        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel, idle=parent is not None)
         queue.wake = self._wake.set
         try:
             # Opened here, before the program goes on: opened at the first full batch, the
             # stream's threads each waited for a GIL switch of a busy loop, which filled the
             # queue meanwhile (9,458 spans lost 70 ms after init).
-            if not forked:
+            if not parent:
                 self._ensure_stream()
         except Exception as exc:   # an unreadable TLS file: said once, retried on the exporter thread
             self._warn_once("export", f"crosstrace: export error: {exc!r}")
@@ -228,6 +234,12 @@ class Exporter:
 
     def shutdown(self, timeout_s: float) -> bool:
         """A last clock-probe burst, the last flush, then stop (within timeout_s)."""
+        if self._parent is not None:
+            if self._parent_sends():
+                return self._hand_over_and_stop(timeout_s)
+            # The parent's tracer is gone (shut down first, or killed): what this process
+            # handed over since and what it holds, it sends itself, over a channel of its own.
+            self._parent = None
         deadline = time.monotonic() + timeout_s
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         # The flush leaves the thread time to batch what it holds (it may be waiting for acks
@@ -249,21 +261,68 @@ class Exporter:
                 flushed = False
             finally:
                 self._closed = True
+        if self._children is not None:
+            self._children.close()
         return flushed
 
+    def _hand_over_and_stop(self, timeout_s: float) -> bool:
+        """A forked child's shutdown: its last batches on disk for the parent, which sends
+        them (a worker's exit does not wait for the collector). True when all is handed over
+        and the parent's tracer is there to send it."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._prober.close()
+        with self._spill_lock:
+            try:
+                self._spill(everything=True)
+                if self._spool is not None:
+                    self._spool.close()
+            except OSError as exc:
+                log.warning("crosstrace: could not hand the last batches over to the parent process: %s", exc)
+            finally:
+                self._closed = True
+        spooled, lost = self.unacked_spans()
+        return not lost and (not spooled or self._parent_sends())
+
+    def _parent_sends(self) -> bool:
+        return parent_sends(self.cfg.spool_dir, *self._parent)
+
     def unacked_spans(self) -> tuple[int, int]:
-        """Spans not acked yet: (on disk in the spool, only in memory or still queued)."""
+        """Spans not acked yet: (on disk in the spool, only in memory or still queued). A
+        forked child's batches on disk are lost once its parent is gone, unless they are in
+        a spool_dir, where the next process that spools there sends them."""
+        keep = bool(self.cfg.spool_dir)   # a child's handover outside a spool_dir: nothing would send it
         with self._lock:
-            spooled = sum(entry.spans for entry in self._unacked.values() if entry.spooled is not None)
+            spooled = sum(entry.spans for entry in self._unacked.values()
+                          if entry.spooled is not None and (keep or entry.key[0] != "child"))
             batched = sum(entry.spans for entry in self._unacked.values())
-        return spooled, batched - spooled + len(self.queue.queue) // FIELDS
+        lost = batched - spooled + len(self.queue.queue) // FIELDS
+        if self._parent is not None and not self.cfg.spool_dir and not self._parent_sends():
+            return 0, lost + spooled
+        return spooled, lost
+
+    def before_fork(self) -> None:
+        """This process forks: from now on its children may hand batches over."""
+        if self._forked or self._children is None:
+            return
+        self._forked = True
+        try:
+            self._children.start()
+        except OSError as exc:   # its children then export on channels of their own
+            log.warning("crosstrace: forked children cannot hand their spans over to this process (%s); "
+                        "each exports them itself", exc)
 
     def restart_after_fork(self) -> "Exporter":
-        """In a forked child (a DataLoader worker): a new session, stream and thread. The
+        """In a forked child (a DataLoader worker): a new session and thread, which hand its
+        batches over to the parent (or the parent's parent: whichever process sends). The
         parent's gRPC channel, threads and spool files are not touched."""
         if self._spool is not None:
             self._spool.forget_after_fork()
-        return Exporter(self.cfg, self.clock, self.queue, forked=True)
+        parent = self._parent
+        if parent is None and self._children is not None and self._children.open:
+            parent = (self.session_id, os.getppid())
+        return Exporter(self.cfg, self.clock, self.queue, parent=parent)
 
     def forward(self, batch: "pb.SpanBatch") -> None:
         """Send another tracer's batch upstream under its own (session_id, seq) (a relay).
@@ -298,16 +357,23 @@ class Exporter:
 
     def _run(self) -> None:
         interval = self.cfg.export_interval_ms / 1000
-        wait = min(interval, _FIRST_ROUND_S)
+        next_round = time.monotonic() + min(interval, _FIRST_ROUND_S)
         while True:
-            self._wake.wait(wait)
-            wait = interval
+            woken = self._wake.wait(self._wait_s(next_round))
             self._wake.clear()
+            if not woken and time.monotonic() < next_round:   # between rounds: handovers only
+                try:
+                    self._poll_handovers()
+                except Exception as exc:
+                    self._warn_once("export", f"crosstrace: export error: {exc!r}")
+                continue
+            next_round = time.monotonic() + interval
             stopping = self._stopping
             with self._lock:
                 flushes, self._pending_flushes = self._pending_flushes, []
             sent = False
             try:
+                self._poll_handovers()
                 self._send_queued()
                 sent = True
                 if self._unacked and self._ensure_stream() is None:
@@ -325,6 +391,66 @@ class Exporter:
                 self._resolve_waiters()
             if stopping:
                 return
+
+    def _wait_s(self, next_round: float) -> float:
+        """Until the next round; shorter where handovers are polled: a parent's, once it has
+        forked, and a forked child's while a flush waits for the parent to send."""
+        wait = max(0.0, next_round - time.monotonic())
+        if self._waiters if self._parent is not None else (self._children is not None and self._children.open):
+            wait = min(wait, _HANDOVER_POLL_S)
+        return wait
+
+    def _poll_handovers(self) -> None:
+        if self._parent is not None:
+            self._reap_handed_over()
+        elif self._children is not None and self._children.open:
+            self._take_children()
+
+    def _take_children(self) -> None:
+        """Send the batches forked children handed over, under their own (session_id, seq)."""
+        found, vanished = self._children.new()
+        if vanished:   # their child counted them where it dropped them
+            with self._lock:
+                for path in vanished:
+                    entry = self._unacked.pop(("child", path), None)
+                    if entry is not None:
+                        entry.gone = True
+                self._resolve_waiters()
+        if not found:
+            return
+        with self._lock:
+            for item in found:
+                self._order += 1
+                key = ("child", item.path)
+                self._unacked[key] = _Pending(key, item.seq, self._order, item.spans, None, item)
+            requests = self._requests
+        if requests is None:
+            self._ensure_stream()   # sends every unacked batch, these too (None while out of reach)
+            return
+        for item in found:
+            requests.append(self._unacked[("child", item.path)])
+
+    def _reap_handed_over(self) -> None:
+        """A forked child's: the batches the parent removed, acked by the collector."""
+        with self._lock:
+            done = [entry for entry in self._unacked.values()
+                    if entry.spooled is not None and not os.path.exists(entry.spooled.path)]
+            for entry in done:
+                del self._unacked[entry.key]
+                entry.gone = True
+                self._spool.handed_over(entry.spooled)
+            if done:
+                self._resolve_waiters()
+
+    def _handover_spool(self) -> Spool | None:
+        """A forked child's spool, in the folder its parent takes batches from."""
+        root, name = children_folder(self.cfg.spool_dir, self._parent[0])
+        try:
+            return Spool(root, name, self.session_id, self.cfg.spool_fsync)
+        except OSError as exc:
+            log.warning("crosstrace: cannot hand batches over to the parent process in %s (%s); "
+                        "this process's spans are lost", root, exc)
+            return None
 
     def _send_queued(self) -> None:
         queue, samples = self.queue.queue, self.queue.samples
@@ -382,7 +508,6 @@ class Exporter:
 
     def _send(self, batch, n_spans: int, size: int) -> None:
         """`size`: about the batch's encoded bytes (encode.encoded_size)."""
-        self._prober.start()   # (a forked child's, at its first batch)
         self._await_room(size)
         with self._lock:
             if self._closed:   # this thread outlived shutdown's wait (a hung collector): counted, not kept
@@ -428,6 +553,8 @@ class Exporter:
 
     def _spill_unlocked(self, everything: bool) -> None:
         bound = self.cfg.max_unacked_mb << 20
+        if self._spool is None and self._parent is not None and self._unacked:
+            self._spool = self._handover_spool()
         with self._lock:
             if self._spool is None:
                 self._give_up_oldest_in_memory(bound)
@@ -471,12 +598,16 @@ class Exporter:
                     self._memory_bytes -= entry.size
 
     def _give_up_oldest_in_memory(self, limit: int) -> None:
-        """Under self._lock, without a spool: drop the oldest batches beyond the memory bound
-        (the newest one always stays)."""
-        while self._memory_bytes > limit and len(self._unacked) > 1:
-            _, entry = self._unacked.popitem(last=False)
-            self._forget(entry)
-            self.dropped += entry.spans
+        """Under self._lock, without a spool: drop the oldest batches in memory beyond its
+        bound (the newest one always stays; children's handovers are on disk, not here)."""
+        newest = next(reversed(self._unacked.values()), None)
+        for entry in list(self._unacked.values()):
+            if self._memory_bytes <= limit or entry is newest:
+                return
+            if entry.data is not None:
+                del self._unacked[entry.key]
+                self._forget(entry)
+                self.dropped += entry.spans
 
     def _make_room(self, size: int) -> bool:
         """Under self._lock: drop the oldest spooled batches until `size` more bytes fit in the
@@ -491,7 +622,7 @@ class Exporter:
         for entry in self._unacked.values():
             if excess <= 0:
                 break
-            if entry.spooled is not None:
+            if entry.spooled is not None and entry.key[0] != "child":   # (children's are not in this spool)
                 victims.append(entry)
                 excess -= entry.spooled.size
         for entry in victims:
@@ -509,11 +640,12 @@ class Exporter:
             entry.data = None
             self._memory_bytes -= entry.size
         if entry.spooled is not None:
-            self._spool.remove(entry.spooled)
+            (self._children if entry.key[0] == "child" else self._spool).remove(entry.spooled)
 
     def _ensure_stream(self):
-        """The open request stream, or None while the collector is unreachable (backoff)."""
-        if self._requests is not None:
+        """The open request stream, or None while the collector is unreachable (backoff), and
+        always in a forked child (its parent sends)."""
+        if self._requests is not None or self._parent is not None:
             return self._requests
         if time.monotonic() < self._backoff_until:
             return None

@@ -18,12 +18,15 @@ import fcntl
 import logging
 import os
 import re
+import stat
+import tempfile
 import threading
 
 log = logging.getLogger("crosstrace.tracer")
 
 _BATCH = re.compile(r"^(\d+)-(\d+)-(\d+)\.batch$")
 _LOCK = "lock"
+_SENDING = "sending"   # in a children's folder while the process they hand over to sends
 
 
 def _fsync_dir(path: str) -> None:
@@ -116,6 +119,11 @@ class Spool:
         if folder != self.dir:
             self._release_if_empty(folder)
 
+    def handed_over(self, item: Spooled) -> None:
+        """A forked child's batch that its parent sent and removed."""
+        with self._lock:
+            self.bytes -= item.size
+
     # -- other sessions ---------------------------------------------------------------------
 
     def adopt(self) -> list[Spooled]:
@@ -207,6 +215,141 @@ class Spool:
             except OSError:
                 pass
         self._held.clear()
+
+
+def children_folder(spool_dir: str, session_id: bytes) -> tuple[str, str]:
+    """(root, node folder name) of the spools a process's forked children hand their batches
+    over in: under its own spool_dir where it has one (a later process there replays what is
+    left), else in a folder of this user's under the temporary folder."""
+    root = spool_dir or os.path.join(tempfile.gettempdir(), f"crosstrace-{os.getuid()}")
+    return root, f"children-of-{session_id.hex()}"
+
+
+def parent_sends(spool_dir: str, session_id: bytes, pid: int) -> bool:
+    """Whether the process (session, pid) takes what its children hand over: its tracer
+    lives (ChildBatches.open, not closed yet) and so does the process."""
+    root, name = children_folder(spool_dir, session_id)
+    if not os.path.exists(os.path.join(root, name, _SENDING)):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # alive, another user's (a pid reused): not the parent
+        return False
+    return True
+
+
+class ChildBatches:
+    """The batches this process's forked children left in their spools (children_folder),
+    for this process to send: taken while the children live, each removed once acked.
+    A child's folder goes once it is empty and its child is gone (its lock is free)."""
+
+    def __init__(self, spool_dir: str, session_id: bytes):
+        self.spool_dir = spool_dir
+        root, name = children_folder(spool_dir, session_id)
+        self.dir = os.path.join(root, name)
+        self.open = False
+        self._known: set[str] = set()
+
+    def start(self) -> None:
+        """Before the first fork: the folder, marked as taken from (parent_sends). Raises
+        OSError where it cannot be made, or the temporary one is not this user's own."""
+        root = os.path.dirname(self.dir)
+        if not self.spool_dir:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            st = os.lstat(root)
+            if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+                raise OSError(f"{root} is not this user's own folder")
+            if st.st_mode & 0o077:   # spans are nobody else's to read
+                os.chmod(root, 0o700)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        with open(os.path.join(self.dir, _SENDING), "w"):
+            pass
+        self.open = True
+
+    def new(self) -> tuple[list[Spooled], list[str]]:
+        """(batches not taken before, each child's in the order it wrote them; paths taken
+        before that are gone unacked: dropped by their child, its spool full, or taken by
+        another process that spools there once the child was gone)."""
+        found, present = [], set()
+        try:
+            children = sorted(os.scandir(self.dir), key=_mtime)
+        except OSError:   # no child has handed anything over
+            children = []
+        for child in children:
+            paths = [(match, os.path.join(child.path, match[0]))
+                     for match in map(_BATCH.match, _names(child.path)) if match]   # (none in the `sending` mark)
+            if not paths and child.is_dir():
+                _remove_if_gone(child.path)
+            present.update(path for _, path in paths)
+            batches = [(int(match[1]), path, int(match[2]), int(match[3]))
+                       for match, path in paths if path not in self._known]
+            for _, path, seq, spans in sorted(batches):
+                try:
+                    found.append(Spooled(path, seq, spans, os.path.getsize(path)))
+                except OSError:
+                    continue
+                self._known.add(path)
+        vanished = list(self._known - present)
+        self._known.difference_update(vanished)
+        return found, vanished
+
+    def remove(self, item: Spooled) -> None:
+        try:
+            os.unlink(item.path)
+        except FileNotFoundError:   # its child's folder adopted by another process meanwhile
+            pass
+        self._known.discard(item.path)
+
+    def close(self) -> None:
+        """No more taking: the mark goes, so do the folders of children that are gone, and
+        the children's folder if it is empty then. Outside a spool_dir nothing would ever
+        send what is left there (counted lost by the exporter): that goes too."""
+        if not self.open:
+            return
+        self.open = False
+        try:
+            os.unlink(os.path.join(self.dir, _SENDING))
+        except OSError:
+            pass
+        try:
+            children = [entry.path for entry in os.scandir(self.dir) if entry.is_dir()]
+        except OSError:
+            return
+        for child in children:
+            left = [name for name in _names(child) if _BATCH.match(name)]
+            if not left or not self.spool_dir:
+                _remove_if_gone(child, left)
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _remove_if_gone(folder: str, batches: list[str] = ()) -> None:
+    """Remove a child's spool folder (and the batches named) once its child has let go of the lock."""
+    try:
+        fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for name in batches:
+            os.unlink(os.path.join(folder, name))
+        os.unlink(os.path.join(folder, _LOCK))
+        os.rmdir(folder)
+    except OSError:   # the child lives on (or wrote a batch meanwhile)
+        pass
+    finally:
+        os.close(fd)
 
 
 def _mtime(entry: os.DirEntry) -> float:
