@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS segments (
     n INTEGER NOT NULL, data BLOB NOT NULL,
     traces BLOB NOT NULL);  -- sorted distinct trace_id_hi values: finds a trace's segments
 CREATE INDEX IF NOT EXISTS segments_received ON segments (received_ns);
--- batches with spans, for resends (one of clock samples only is not kept: a resend adds samples again)
+-- batches with spans, for resends (one of clock samples only is not kept: a resend adds samples
+-- again, which Store.clock_samples reads once)
 CREATE TABLE IF NOT EXISTS batches (
     session_id BLOB NOT NULL, seq INTEGER NOT NULL, accepted INTEGER NOT NULL, duplicates INTEGER NOT NULL,
     received_ns INTEGER NOT NULL DEFAULT 0,   -- added to stores begun without it (Store._open)
@@ -499,9 +500,11 @@ class Store:
         clock it met and is left out."""
         peer_clock = "peer_clock" if "peer_clock" in self._columns("clock_samples") else "NULL"
         since = np.iinfo(np.int64).min if self.since_ns is None else self.since_ns - CLOCK_CONTEXT_NS
-        rows = self.db.execute("SELECT node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, server, "
-                               f"{peer_clock} FROM clock_samples WHERE received_ns >= ? ORDER BY node, local_ns",
-                               (since,)).fetchall()
+        # DISTINCT: a batch of clock samples only is not recorded as a batch, so its resend
+        # (after a lost ack) stores its samples again; they weighed twice in the fits.
+        rows = self.db.execute("SELECT DISTINCT node, source, peer, t1, t2, t3, t4, local_ns, offset_ns, error_ns, "
+                               f"server, {peer_clock} FROM clock_samples WHERE received_ns >= ? ORDER BY node, "
+                               "local_ns", (since,)).fetchall()
         reused = self.reused_node_ids()
         if not reused:
             return [row[:11] for row in rows]

@@ -209,8 +209,9 @@ def test_empty_batch_with_clock_samples_only(collector, count):
     b = batch(count)
     b.attributes_json = b""
     b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=1, t2=2, t3=3, t4=4))
-    acks, err = export(collector.address, [b.SerializeToString()])
-    assert err is None and acks[0].accepted == 0
+    for _ in range(2):   # and its resend after a lost ack: not kept as a batch, read once all the same
+        acks, err = export(collector.address, [b.SerializeToString()])
+        assert err is None and acks[0].accepted == 0
     store = Store(collector.store, readonly=True)
     assert len(store.clock_samples()) == 1
     store.close()
@@ -587,10 +588,11 @@ def test_a_window_reads_the_newest_data_and_retention_deletes_the_oldest(tmp_pat
         for k in range(3):                       # spans and samples an hour apart
             clock[0] = k * hour
             b = batch(10, seq=2 * k + 1, first_id=100 * k + 1, trace_hi=k + 1)
-            b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100,
+            b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9 + k, t2=10**9 + 100,
                                                   t3=10**9 + 200, t4=10**9 + 300))
             idle = batch(0, seq=2 * k + 2)
-            idle.clock_samples.extend(b.clock_samples)
+            idle.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=k * hour, t2=k * hour + 100,
+                                                     t3=k * hour + 200, t4=k * hour + 300))
             store.write([check(b), check(idle)])
         assert store.db.execute("SELECT count(*) FROM batches").fetchone()[0] == 3
     with Store(path, readonly=True) as store:

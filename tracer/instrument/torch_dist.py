@@ -886,14 +886,14 @@ class BucketTracer:
         for an unsampled one whose buckets are final. Between a forward and its backward no
         all-reduce of DDP's is in flight. Never raises."""
         try:
-            self.settle(last=True)
+            times = self.settle(last=True)
             own = module.process_group
             if self.reducer_group._group is not own:   # DDP's _update_process_group moved the model
                 self.reducer_group, self.keys = _BucketGroup(own, self), _group(own)
             untraced = not self.sampled and bool(self.layout) and _buckets_final(module)
             if untraced:
                 try:
-                    self.times_before = module.reducer.get_backward_stats()
+                    self.times_before = times if times is not None else module.reducer.get_backward_stats()
                 except (AttributeError, RuntimeError):
                     untraced = False   # whether the pass ran could not be told: counted per bucket
             self.use(module, own if untraced else self.reducer_group)
@@ -910,17 +910,21 @@ class BucketTracer:
             module.reducer._update_process_group(group)
             self.routed = group
 
-    def settle(self, last: bool = False) -> None:
+    def settle(self, last: bool = False):
         """Count the buckets of the last unsampled pass if its backward has run. With
-        `last`, no backward can follow any more: a pass that did not run is forgotten."""
+        `last`, no backward can follow any more: a pass that did not run is forgotten.
+        Returns the reducer's per-gradient times it read (None: none read), which are the
+        next pass's `times_before` where no backward runs in between (one read a step less)."""
         if not self.unsettled:
-            return
-        ran = self.reducer.get_backward_stats() != self.times_before
+            return None
+        times = self.reducer.get_backward_stats()
+        ran = times != self.times_before
         if ran or last:
             unsettled, self.unsettled = self.unsettled, 0
             self.keys.unsettled.discard(self)
             for _ in range(unsettled if ran else 0):
                 next(self.keys.seq)
+        return times
 
     def shadow_pass(self, model):
         """DDP's join hook on a rank out of data, matching the others' backward pass with
