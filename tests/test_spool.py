@@ -362,14 +362,13 @@ def test_children_batches_are_taken_once_and_a_dropped_one_is_let_go(tmp_path):
     each batch once, in the order its child wrote it; one its child dropped (its spool full)
     is reported gone, so that the parent does not wait for its ack; a gone child's folder
     is removed once empty."""
-    from crosstrace.tracer.spool import ChildBatches, Spool, children_folder, parent_sends
+    from crosstrace.tracer.spool import ChildBatches, child_spool, parent_sends
 
-    parent = b"p" * 16
-    batches = ChildBatches(str(tmp_path), parent)
-    assert batches.new() == ([], []) and not parent_sends(str(tmp_path), parent, os.getpid())
+    batches = ChildBatches(str(tmp_path), b"p" * 16)
+    assert batches.new() == ([], [])
     batches.start()
-    assert parent_sends(str(tmp_path), parent, os.getpid())
-    child = Spool(*children_folder(str(tmp_path), parent), b"c" * 16)
+    assert parent_sends(batches.dir, os.getpid())
+    child = child_spool(batches.dir, b"c" * 16, False)
     first, second = child.write(b"one", 1, 10), child.write(b"two", 2, 20)
     found, gone = batches.new()
     assert [(b.seq, b.spans, b.size) for b in found] == [(1, 10, 3), (2, 20, 3)] and gone == []
@@ -384,5 +383,26 @@ def test_children_batches_are_taken_once_and_a_dropped_one_is_let_go(tmp_path):
     child.forget_after_fork()                 # its lock let go, as by a child killed
     batches.new()
     assert not os.path.exists(child.dir)
-    batches.close()
-    assert not os.path.exists(batches.dir) and not parent_sends(str(tmp_path), parent, os.getpid())
+    batches.stop_taking()
+    assert not parent_sends(batches.dir, os.getpid())
+    assert batches.close() == 0 and not os.path.exists(batches.dir)
+
+
+def test_children_batches_outside_a_spool_dir_are_private_and_counted_when_left(tmp_path, monkeypatch):
+    """Without a spool_dir the children's folder is a private temporary one (a predictable
+    name could be taken first by another user); what a gone child left there untaken is
+    removed at close and counted, as nothing would ever send it."""
+    import stat
+    import tempfile
+
+    from crosstrace.tracer.spool import ChildBatches, child_spool
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    batches = ChildBatches("", b"p" * 16)
+    batches.start()
+    assert os.path.dirname(batches.dir) == str(tmp_path)
+    assert stat.S_IMODE(os.stat(batches.dir).st_mode) == 0o700
+    child = child_spool(batches.dir, b"c" * 16, False)
+    child.write(b"one", 1, 10)
+    child.forget_after_fork()                 # gone, its batch never taken
+    assert batches.close() == 10 and os.listdir(tmp_path) == []

@@ -35,7 +35,7 @@ from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_samples
 from .encode import FIELDS, batches, encode_spans, encoded_size
-from .spool import ChildBatches, Spool, children_folder, parent_sends
+from .spool import ChildBatches, Spool, child_spool, parent_sends
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -153,13 +153,15 @@ class _Pending:
 
 
 class Exporter:
-    def __init__(self, cfg, clock, queue: ExportQueue, parent: tuple[bytes, int] | None = None):
-        """`parent`: in a forked child (a DataLoader worker), the (session id, pid) of the
-        process whose children hand their batches over to it (ChildBatches), which sends
-        them. The child never touches gRPC while that process's tracer lives: gRPC skips its
-        fork handlers while a call is open (the parent's export stream always is), and a
-        child's own channel then aborted in gRPC's poller now and then (2 of 24 children of
-        DDP ranks). Its clock is the parent's, which the parent probes."""
+    def __init__(self, cfg, clock, queue: ExportQueue, forked: bool = False,
+                 parent: tuple[str, int] | None = None):
+        """`forked`: in a forked child (a DataLoader worker), which touches gRPC at the
+        earliest once it has spans to send: gRPC skips its fork handlers while a call is
+        open (the parent's export stream always is), and a child's own channel then aborted
+        in gRPC's poller now and then (2 of 24 children of DDP ranks). `parent`: the
+        (folder, pid) where the process that sends for this one takes its batches
+        (ChildBatches); a child hands them over there, never touching gRPC while that
+        process's tracer takes them. Its clock is the parent's, which the parent probes."""
         self.cfg = cfg
         self.clock = clock
         self.queue = queue
@@ -182,7 +184,7 @@ class Exporter:
         self._closed = False                # shutdown is done: batches made after are counted, not kept
         self._ever_acked = False            # then a closed socket is no sign of a TLS mismatch
         self._stopping = False
-        self._sent_dropped = 0 if parent else -1   # -1: a first batch at once, which says who this is
+        self._sent_dropped = 0 if forked else -1   # -1: a first batch at once, which says who this is
         self._channel = None
         self._requests = None
         self._backoff_until = 0.0
@@ -190,15 +192,17 @@ class Exporter:
         self._warned: set[str] = set()
         self._parent = parent               # a forked child's, while it hands its batches over
         self._forked = False                # whether this process has forked (children may hand over)
-        self._children = None if parent else ChildBatches(cfg.spool_dir, self.session_id)
+        self._children = None if forked else ChildBatches(cfg.spool_dir, self.session_id)
         self._spool = None if parent else self._open_spool()   # a child's: at its first batch
-        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel, idle=parent is not None)
+        # Without a spool_dir a child's handover is bounded as batches in memory would be.
+        self._spool_max_mb = cfg.max_unacked_mb if parent and not cfg.spool_dir else cfg.spool_max_mb
+        self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel, idle=forked)
         queue.wake = self._wake.set
         try:
             # Opened here, before the program goes on: opened at the first full batch, the
             # stream's threads each waited for a GIL switch of a busy loop, which filled the
             # queue meanwhile (9,458 spans lost 70 ms after init).
-            if not parent:
+            if not forked:
                 self._ensure_stream()
         except Exception as exc:   # an unreadable TLS file: said once, retried on the exporter thread
             self._warn_once("export", f"crosstrace: export error: {exc!r}")
@@ -234,13 +238,14 @@ class Exporter:
 
     def shutdown(self, timeout_s: float) -> bool:
         """A last clock-probe burst, the last flush, then stop (within timeout_s)."""
-        if self._parent is not None:
-            if self._parent_sends():
-                return self._hand_over_and_stop(timeout_s)
-            # The parent's tracer is gone (shut down first, or killed): what this process
-            # handed over since and what it holds, it sends itself, over a channel of its own.
-            self._parent = None
         deadline = time.monotonic() + timeout_s
+        if self._parent is not None:
+            handed_over = self._hand_over_and_stop(timeout_s)
+            if handed_over is not None:
+                return handed_over
+            timeout_s = max(0.0, deadline - time.monotonic())
+        if self._children is not None:
+            self._children.stop_taking()   # children that look from now on send themselves
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         # The flush leaves the thread time to batch what it holds (it may be waiting for acks
         # of a collector that hangs): without it, the spill below missed those spans.
@@ -262,16 +267,30 @@ class Exporter:
             finally:
                 self._closed = True
         if self._children is not None:
-            self._children.close()
+            untaken = self._children.close()
+            if untaken:
+                self.dropped += untaken
+                flushed = False
+                log.warning("crosstrace: %d spans that forked children handed over as this process's tracer "
+                            "shut down were lost", untaken)
         return flushed
 
-    def _hand_over_and_stop(self, timeout_s: float) -> bool:
+    def _hand_over_and_stop(self, timeout_s: float) -> bool | None:
         """A forked child's shutdown: its last batches on disk for the parent, which sends
-        them (a worker's exit does not wait for the collector). True when all is handed over
-        and the parent's tracer is there to send it."""
+        them (a worker's exit does not wait for the collector). True when all is handed
+        over; None where the parent's tracer stopped taking batches (checked once they are
+        written: its last look comes after): this process sends them itself then."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():   # its last round is still writing
+            return False
+        if not self._parent_sends():
+            self._send_myself()
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
+            self._thread.start()
+            return None
         self._prober.close()
         with self._spill_lock:
             try:
@@ -282,29 +301,32 @@ class Exporter:
                 log.warning("crosstrace: could not hand the last batches over to the parent process: %s", exc)
             finally:
                 self._closed = True
-        spooled, lost = self.unacked_spans()
-        return not lost and (not spooled or self._parent_sends())
+        with self._lock:
+            return not self.queue.queue and all(entry.spooled is not None for entry in self._unacked.values())
 
     def _parent_sends(self) -> bool:
-        return parent_sends(self.cfg.spool_dir, *self._parent)
+        return parent_sends(*self._parent)
+
+    def _send_myself(self) -> None:
+        """A forked child whose parent's tracer no longer takes its batches (shut down, or
+        killed): from now on it sends them itself, over a channel of its own."""
+        self._reap_handed_over()
+        self._parent = None
 
     def unacked_spans(self) -> tuple[int, int]:
-        """Spans not acked yet: (on disk in the spool, only in memory or still queued). A
-        forked child's batches on disk are lost once its parent is gone, unless they are in
-        a spool_dir, where the next process that spools there sends them."""
-        keep = bool(self.cfg.spool_dir)   # a child's handover outside a spool_dir: nothing would send it
+        """Spans not acked yet: (on disk in the spool, for the next process that spools there;
+        the rest, lost). Outside a spool_dir, batches on disk are forked children's handovers,
+        which nothing would send later."""
         with self._lock:
-            spooled = sum(entry.spans for entry in self._unacked.values()
-                          if entry.spooled is not None and (keep or entry.key[0] != "child"))
+            spooled = sum(entry.spans for entry in self._unacked.values() if entry.spooled is not None)
             batched = sum(entry.spans for entry in self._unacked.values())
-        lost = batched - spooled + len(self.queue.queue) // FIELDS
-        if self._parent is not None and not self.cfg.spool_dir and not self._parent_sends():
-            return 0, lost + spooled
-        return spooled, lost
+        if not self.cfg.spool_dir:
+            spooled = 0
+        return spooled, batched - spooled + len(self.queue.queue) // FIELDS
 
     def before_fork(self) -> None:
         """This process forks: from now on its children may hand batches over."""
-        if self._forked or self._children is None:
+        if self._forked or self._children is None or self._stopping:
             return
         self._forked = True
         try:
@@ -320,9 +342,9 @@ class Exporter:
         if self._spool is not None:
             self._spool.forget_after_fork()
         parent = self._parent
-        if parent is None and self._children is not None and self._children.open:
-            parent = (self.session_id, os.getppid())
-        return Exporter(self.cfg, self.clock, self.queue, parent=parent)
+        if parent is None and self._children is not None and self._children.dir is not None:
+            parent = (self._children.dir, os.getppid())
+        return Exporter(self.cfg, self.clock, self.queue, forked=True, parent=parent)
 
     def forward(self, batch: "pb.SpanBatch") -> None:
         """Send another tracer's batch upstream under its own (session_id, seq) (a relay).
@@ -396,14 +418,17 @@ class Exporter:
         """Until the next round; shorter where handovers are polled: a parent's, once it has
         forked, and a forked child's while a flush waits for the parent to send."""
         wait = max(0.0, next_round - time.monotonic())
-        if self._waiters if self._parent is not None else (self._children is not None and self._children.open):
+        if self._waiters if self._parent is not None else self._children is not None and self._children.dir:
             wait = min(wait, _HANDOVER_POLL_S)
         return wait
 
     def _poll_handovers(self) -> None:
         if self._parent is not None:
             self._reap_handed_over()
-        elif self._children is not None and self._children.open:
+            if self._waiters and not self._parent_sends():   # a flush would wait for nothing
+                self._send_myself()
+                self._ensure_stream()
+        elif self._children is not None and self._children.dir is not None:
             self._take_children()
 
     def _take_children(self) -> None:
@@ -444,12 +469,11 @@ class Exporter:
 
     def _handover_spool(self) -> Spool | None:
         """A forked child's spool, in the folder its parent takes batches from."""
-        root, name = children_folder(self.cfg.spool_dir, self._parent[0])
         try:
-            return Spool(root, name, self.session_id, self.cfg.spool_fsync)
+            return child_spool(self._parent[0], self.session_id, self.cfg.spool_fsync)
         except OSError as exc:
-            log.warning("crosstrace: cannot hand batches over to the parent process in %s (%s); "
-                        "this process's spans are lost", root, exc)
+            self._warn_once("handover", f"crosstrace: cannot hand batches over to the parent process in "
+                            f"{self._parent[0]} ({exc}); they are kept in memory, within max_unacked_mb")
             return None
 
     def _send_queued(self) -> None:
@@ -508,6 +532,8 @@ class Exporter:
 
     def _send(self, batch, n_spans: int, size: int) -> None:
         """`size`: about the batch's encoded bytes (encode.encoded_size)."""
+        if self._parent is None:
+            self._prober.start()   # (a forked child's that sends itself, at its first batch)
         self._await_room(size)
         with self._lock:
             if self._closed:   # this thread outlived shutdown's wait (a hung collector): counted, not kept
@@ -612,7 +638,7 @@ class Exporter:
     def _make_room(self, size: int) -> bool:
         """Under self._lock: drop the oldest spooled batches until `size` more bytes fit in the
         spool; False when they cannot (the batch alone is larger than the spool)."""
-        limit = self.cfg.spool_max_mb << 20
+        limit = self._spool_max_mb << 20
         if size > limit:
             return False
         excess = self._spool.bytes + size - limit
@@ -629,8 +655,8 @@ class Exporter:
             del self._unacked[entry.key]
             self._forget(entry)
             self.dropped += entry.spans
-        self._warn_once("spool_full", f"crosstrace: spool {self.cfg.spool_dir} is full "
-                        f"({self.cfg.spool_max_mb} MB); dropping the oldest batches")
+        self._warn_once("spool_full", f"crosstrace: spool {self._spool.root} is full "
+                        f"({self._spool_max_mb} MB); dropping the oldest batches")
         return True
 
     def _forget(self, entry: _Pending) -> None:
@@ -651,7 +677,7 @@ class Exporter:
             return None
         export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
                                                    response_deserializer=pb.ExportAck.FromString)
-        requests = _RequestStream()
+        requests = _RequestStream(self._let_go)
         with self._lock:
             for entry in self._unacked.values():  # resend in order; the collector dedups
                 requests.append(entry)
@@ -722,6 +748,15 @@ class Exporter:
                     self._backoff = min(self._backoff * 2, 5.0)
             self._acked.set()
             self._wake.set()
+
+    def _let_go(self, entry: _Pending) -> None:
+        """A batch whose file went unsent: acked and removed by another process that sent it
+        (a forked child's parent, or a process that adopted the spool folder it is in)."""
+        with self._lock:
+            if not entry.gone and self._unacked.get(entry.key) is entry:
+                del self._unacked[entry.key]
+                self._forget(entry)
+            self._resolve_waiters()
 
     def _resolve_waiters(self) -> None:
         """Under self._lock: a flush is done once no batch queued up to it is unacked."""
@@ -820,7 +855,8 @@ class _RequestStream:
     until the exporter appends a batch or closes the stream. Spooled batches are read
     from disk as they are sent. `sent` lists what went out, in order: acks answer it."""
 
-    def __init__(self):
+    def __init__(self, missing):
+        self._missing = missing   # called with a spooled batch whose file is gone
         self._items: collections.deque = collections.deque()
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
@@ -859,6 +895,8 @@ class _RequestStream:
             if data is None:
                 data = Spool.read(entry.spooled) if entry.spooled is not None else None
                 if data is None:
+                    if entry.spooled is not None:
+                        self._missing(entry)
                     continue
             self._sent.append(entry)
             yield data

@@ -18,7 +18,6 @@ import fcntl
 import logging
 import os
 import re
-import stat
 import tempfile
 import threading
 
@@ -109,10 +108,12 @@ class Spool:
             return None
 
     def remove(self, item: Spooled) -> None:
+        """A batch acked or given up (once each); its file may be gone already, sent and
+        removed by another process (an adopted folder, a forked child's handover)."""
         try:
             os.unlink(item.path)
         except FileNotFoundError:
-            return
+            pass
         with self._lock:
             self.bytes -= item.size
         folder = os.path.dirname(item.path)
@@ -217,71 +218,65 @@ class Spool:
         self._held.clear()
 
 
-def children_folder(spool_dir: str, session_id: bytes) -> tuple[str, str]:
-    """(root, node folder name) of the spools a process's forked children hand their batches
-    over in: under its own spool_dir where it has one (a later process there replays what is
-    left), else in a folder of this user's under the temporary folder."""
-    root = spool_dir or os.path.join(tempfile.gettempdir(), f"crosstrace-{os.getuid()}")
-    return root, f"children-of-{session_id.hex()}"
-
-
-def parent_sends(spool_dir: str, session_id: bytes, pid: int) -> bool:
-    """Whether the process (session, pid) takes what its children hand over: its tracer
-    lives (ChildBatches.open, not closed yet) and so does the process."""
-    root, name = children_folder(spool_dir, session_id)
-    if not os.path.exists(os.path.join(root, name, _SENDING)):
+def parent_sends(folder: str, pid: int) -> bool:
+    """Whether the process `pid` takes what its children hand over in `folder`: its tracer
+    still looks there (ChildBatches.start, not stopped yet) and the process lives."""
+    if not os.path.exists(os.path.join(folder, _SENDING)):
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:   # alive, another user's (a pid reused): not the parent
+    except OSError:   # gone (or, a pid reused, another user's)
         return False
     return True
 
 
+def child_spool(folder: str, session_id: bytes, fsync: bool) -> Spool:
+    """A forked child's spool, in the folder its parent takes batches from."""
+    return Spool(os.path.dirname(folder), os.path.basename(folder), session_id, fsync)
+
+
 class ChildBatches:
-    """The batches this process's forked children left in their spools (children_folder),
-    for this process to send: taken while the children live, each removed once acked.
-    A child's folder goes once it is empty and its child is gone (its lock is free)."""
+    """The batches this process's forked children hand over, each in a spool of its own
+    in one folder (`dir`): under this process's spool_dir, where a later process that
+    spools there sends what is left, else a private temporary folder. Taken while the
+    children live, each removed once acked; a child's folder goes once its child is gone
+    (its lock is free) and nothing of it is left to send."""
 
     def __init__(self, spool_dir: str, session_id: bytes):
         self.spool_dir = spool_dir
-        root, name = children_folder(spool_dir, session_id)
-        self.dir = os.path.join(root, name)
-        self.open = False
+        self.session_id = session_id
+        self.dir: str | None = None     # made before the first fork
         self._known: set[str] = set()
 
     def start(self) -> None:
-        """Before the first fork: the folder, marked as taken from (parent_sends). Raises
-        OSError where it cannot be made, or the temporary one is not this user's own."""
-        root = os.path.dirname(self.dir)
-        if not self.spool_dir:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            st = os.lstat(root)
-            if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
-                raise OSError(f"{root} is not this user's own folder")
-            if st.st_mode & 0o077:   # spans are nobody else's to read
-                os.chmod(root, 0o700)
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        with open(os.path.join(self.dir, _SENDING), "w"):
+        """Before the first fork: the folder, marked as taken from (parent_sends)."""
+        if self.spool_dir:
+            folder = os.path.join(self.spool_dir, f"children-of-{self.session_id.hex()}")
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        else:   # a name nobody can take first, and a folder only this user can read
+            folder = tempfile.mkdtemp(prefix="crosstrace-children-")
+        with open(os.path.join(folder, _SENDING), "w"):
             pass
-        self.open = True
+        self.dir = folder
+
+    def stop_taking(self) -> None:
+        """Children that look from now on send what they hold themselves. (Those that looked
+        before wrote their batches first: new() after this finds them.)"""
+        if self.dir is not None:
+            try:
+                os.unlink(os.path.join(self.dir, _SENDING))
+            except OSError:
+                pass
 
     def new(self) -> tuple[list[Spooled], list[str]]:
         """(batches not taken before, each child's in the order it wrote them; paths taken
-        before that are gone unacked: dropped by their child, its spool full, or taken by
-        another process that spools there once the child was gone)."""
+        before that are gone unacked: dropped by their child, its spool full, or sent by
+        another process or by the child itself)."""
         found, present = [], set()
-        try:
-            children = sorted(os.scandir(self.dir), key=_mtime)
-        except OSError:   # no child has handed anything over
-            children = []
-        for child in children:
-            paths = [(match, os.path.join(child.path, match[0]))
-                     for match in map(_BATCH.match, _names(child.path)) if match]   # (none in the `sending` mark)
-            if not paths and child.is_dir():
-                _remove_if_gone(child.path)
+        for child in self._children():
+            paths = [(match, os.path.join(child, match[0])) for match in map(_BATCH.match, _names(child)) if match]
+            if not paths:
+                _remove_if_gone(child)
             present.update(path for _, path in paths)
             batches = [(int(match[1]), path, int(match[2]), int(match[3]))
                        for match, path in paths if path not in self._known]
@@ -302,29 +297,34 @@ class ChildBatches:
             pass
         self._known.discard(item.path)
 
-    def close(self) -> None:
-        """No more taking: the mark goes, so do the folders of children that are gone, and
-        the children's folder if it is empty then. Outside a spool_dir nothing would ever
-        send what is left there (counted lost by the exporter): that goes too."""
-        if not self.open:
-            return
-        self.open = False
-        try:
-            os.unlink(os.path.join(self.dir, _SENDING))
-        except OSError:
-            pass
-        try:
-            children = [entry.path for entry in os.scandir(self.dir) if entry.is_dir()]
-        except OSError:
-            return
-        for child in children:
+    def close(self) -> int:
+        """At shutdown, after the last new(): the folders of children that are gone, and the
+        folder itself if it is empty then. Outside a spool_dir nothing would ever send what
+        gone children left there: that goes too. Returns the spans of batches removed that
+        were never taken (for the exporter to count)."""
+        self.stop_taking()
+        untaken = 0
+        for child in self._children():
             left = [name for name in _names(child) if _BATCH.match(name)]
-            if not left or not self.spool_dir:
-                _remove_if_gone(child, left)
+            if left and self.spool_dir:
+                continue
+            if _remove_if_gone(child, left):
+                untaken += sum(int(_BATCH.match(name)[3]) for name in left
+                               if os.path.join(child, name) not in self._known)
+        if self.dir is not None:
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass
+        return untaken
+
+    def _children(self) -> list[str]:
+        """The children's spool folders, oldest first (not the mark, a file)."""
         try:
-            os.rmdir(self.dir)
+            entries = [entry for entry in os.scandir(self.dir) if entry.is_dir()] if self.dir else []
         except OSError:
-            pass
+            return []
+        return [entry.path for entry in sorted(entries, key=_mtime)]
 
 
 def _names(folder: str) -> list[str]:
@@ -334,20 +334,22 @@ def _names(folder: str) -> list[str]:
         return []
 
 
-def _remove_if_gone(folder: str, batches: list[str] = ()) -> None:
-    """Remove a child's spool folder (and the batches named) once its child has let go of the lock."""
+def _remove_if_gone(folder: str, batches: list[str] = ()) -> bool:
+    """Remove a child's spool folder (with the batches named, and a write a kill cut short)
+    once its child has let go of the lock. Whether it was removed."""
     try:
         fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CLOEXEC)
     except OSError:
-        return
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        for name in batches:
+        for name in [*batches, *(name for name in _names(folder) if name.endswith(".tmp"))]:
             os.unlink(os.path.join(folder, name))
         os.unlink(os.path.join(folder, _LOCK))
         os.rmdir(folder)
+        return True
     except OSError:   # the child lives on (or wrote a batch meanwhile)
-        pass
+        return False
     finally:
         os.close(fd)
 
