@@ -259,7 +259,8 @@ def test_a_spool_that_cannot_be_written_costs_memory_only_up_to_its_bound(tmp_pa
 
     provider = crosstrace.TracerProvider(endpoint=f"127.0.0.1:{free_port()}", node_id="edge",
                                          spool_dir=str(tmp_path / "spool"), max_unacked_mb=1, batch_size=1000)
-    shutil.rmtree(tmp_path / "spool")                # every spool write fails from now on
+    while (tmp_path / "spool").exists():             # every spool write fails from now on
+        shutil.rmtree(tmp_path / "spool", ignore_errors=True)   # (a first batch may be going there meanwhile)
     tracer = provider.get_tracer("t")
     for i in range(30_000):
         with tracer.start_as_current_span("frame", attributes={"i": i, "pad": "x" * 100}):
@@ -362,15 +363,21 @@ def test_children_batches_are_taken_once_and_a_dropped_one_is_let_go(tmp_path):
     each batch once, in the order its child wrote it; one its child dropped (its spool full)
     is reported gone, so that the parent does not wait for its ack; a gone child's folder
     is removed once empty."""
-    from crosstrace.tracer.spool import ChildBatches, child_spool, parent_sends
+    from crosstrace.tracer.spool import ChildBatches, child_spool, parent_sends, tell_parent
 
     batches = ChildBatches(str(tmp_path), b"p" * 16)
     assert batches.new() == ([], [])
     batches.start()
     assert parent_sends(batches.dir, os.getpid())
     child = child_spool(batches.dir, b"c" * 16, False)
+    batches.new()
     first, second = child.write(b"one", 1, 10), child.write(b"two", 2, 20)
+    assert not batches.changed()              # a poll between rounds is one stat of the folder
+    time.sleep(0.02)                          # (past a tick of the folder's clock, where it is coarse)
+    tell_parent(batches.dir)
+    assert batches.changed()
     found, gone = batches.new()
+    assert not batches.changed()
     assert [(b.seq, b.spans, b.size) for b in found] == [(1, 10, 3), (2, 20, 3)] and gone == []
     assert batches.new() == ([], [])
     child.remove(first)                       # the child drops its oldest

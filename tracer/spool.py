@@ -235,6 +235,15 @@ def child_spool(folder: str, session_id: bytes, fsync: bool) -> Spool:
     return Spool(os.path.dirname(folder), os.path.basename(folder), session_id, fsync)
 
 
+def tell_parent(folder: str) -> None:
+    """A forked child wrote batches: the folder's time changes, which the parent's polls
+    look at (ChildBatches.changed), not every child's folder."""
+    try:
+        os.utime(folder)
+    except OSError:   # the parent's full rounds find the batches all the same
+        pass
+
+
 class ChildBatches:
     """The batches this process's forked children hand over, each in a spool of its own
     in one folder (`dir`): under this process's spool_dir, where a later process that
@@ -247,6 +256,7 @@ class ChildBatches:
         self.session_id = session_id
         self.dir: str | None = None     # made before the first fork
         self._known: set[str] = set()
+        self._seen = None               # the folder's time at the last look
 
     def start(self) -> None:
         """Before the first fork: the folder, marked as taken from (parent_sends)."""
@@ -268,14 +278,26 @@ class ChildBatches:
             except OSError:
                 pass
 
-    def new(self) -> tuple[list[Spooled], list[str]]:
+    def changed(self) -> bool:
+        """Whether a child told of batches since the last look (one stat; the clock behind
+        a folder's time is coarse, so full rounds look regardless)."""
+        try:
+            return os.stat(self.dir).st_mtime_ns != self._seen
+        except (OSError, TypeError):
+            return False
+
+    def new(self, tidy: bool = True) -> tuple[list[Spooled], list[str]]:
         """(batches not taken before, each child's in the order it wrote them; paths taken
         before that are gone unacked: dropped by their child, its spool full, or sent by
-        another process or by the child itself)."""
+        another process or by the child itself). `tidy`: remove gone children's empty folders."""
         found, present = [], set()
+        try:
+            self._seen = os.stat(self.dir).st_mtime_ns   # before the look: a change during it is seen next time
+        except (OSError, TypeError):
+            pass
         for child in self._children():
             paths = [(match, os.path.join(child, match[0])) for match in map(_BATCH.match, _names(child)) if match]
-            if not paths:
+            if not paths and tidy:
                 _remove_if_gone(child)
             present.update(path for _, path in paths)
             batches = [(int(match[1]), path, int(match[2]), int(match[3]))
