@@ -368,7 +368,7 @@ def test_children_batches_are_taken_once_and_a_dropped_one_is_let_go(tmp_path):
     batches = ChildBatches(str(tmp_path), b"p" * 16)
     assert batches.new() == ([], [])
     batches.start()
-    assert parent_sends(batches.dir, os.getpid())
+    assert parent_sends(batches.dir)
     child = child_spool(batches.dir, b"c" * 16, False)
     batches.new()
     first, second = child.write(b"one", 1, 10), child.write(b"two", 2, 20)
@@ -391,7 +391,7 @@ def test_children_batches_are_taken_once_and_a_dropped_one_is_let_go(tmp_path):
     batches.new()
     assert not os.path.exists(child.dir)
     batches.stop_taking()
-    assert not parent_sends(batches.dir, os.getpid())
+    assert not parent_sends(batches.dir)
     assert batches.close() == 0 and not os.path.exists(batches.dir)
 
 

@@ -1,5 +1,6 @@
 """The tracer's export path end to end: several processes, durability across a SIGKILL
 of the collector, resends after a restart, drop counting, fork safety."""
+import os
 import time
 
 import crosstrace
@@ -368,6 +369,93 @@ def test_a_childs_handover_outlives_its_parent_in_the_spool(collector, tmp_path)
     """ % spool, env=tracer_env(collector, "next"), timeout=60)
     assert replay.stdout.split() == ["True"], replay.stderr
     assert wait_until(lambda: span_count(collector.store) == 50, 10)
+
+
+def test_a_child_of_a_killed_parent_not_yet_reaped_sends_itself(collector, tmp_path):
+    """A killed parent is a zombie until its launcher reaps it, and kill(pid, 0) still
+    found it: its child took it for a parent that sends, handed over to nobody, and its
+    spans were lost. The parent's tracer holds a lock on its mark instead."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    parent = """
+        import os, signal, time, crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.5)   # the parent is killed meanwhile, and not reaped yet
+            for i in range(40):
+                with tracer.start_as_current_span("orphan"):
+                    pass
+            print("child", p.shutdown(), flush=True)
+            os._exit(0)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    out = run_python(f"""
+        import subprocess, sys, textwrap, time
+        parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent({parent!r})])
+        time.sleep(2)          # a launcher that looks at its workers now and then
+        print(parent.wait(30))
+        time.sleep(0.5)
+    """, env={**tracer_env(collector, "zombie"), "TMPDIR": str(temp)}, timeout=60)
+    assert out.stdout.split() == ["child", "True", "-9"], out.stdout + out.stderr
+    assert wait_until(lambda: span_count(collector.store) == 40, 10)
+    assert os.listdir(temp) == []   # and the killed parent's folder went with its last child
+
+
+def test_children_alive_at_exit_are_ended_before_the_parent_takes_its_last_look(collector, tmp_path):
+    """multiprocessing ends its children (a DataLoader's persistent workers) in its own exit
+    hook, which ran after crosstrace's: the parent's last look came while they lived, and
+    their folders were left behind for good, one per run."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = run_python("""
+        import multiprocessing as mp, time, crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        def worker(ready):
+            for i in range(10):
+                with tracer.start_as_current_span("worker"):
+                    pass
+            if p.force_flush(20000):
+                ready.set()
+            time.sleep(60)                      # alive until the parent's exit ends it
+        ready = mp.get_context("fork").Event()
+        child = mp.get_context("fork").Process(target=worker, args=(ready,), daemon=True)
+        child.start()
+        print(ready.wait(30))
+        with tracer.start_as_current_span("parent"):
+            pass
+    """, env={**tracer_env(collector, "exiting"), "TMPDIR": str(temp)}, timeout=60)
+    assert out.stdout.split() == ["True"], out.stdout + out.stderr
+    assert wait_until(lambda: span_count(collector.store) == 11, 10)
+    assert os.listdir(temp) == [], os.listdir(temp)
+
+
+def test_what_children_hand_over_is_bounded_as_a_whole(tmp_path):
+    """Each child bounds its own handover; children that come and go (a DataLoader's
+    workers, epoch after epoch) left 6.6 MB against a 1 MB bound while the collector was
+    away. The parent drops and counts the oldest beyond the bound."""
+    out = run_python("""
+        import os, crosstrace
+        p = crosstrace.init(endpoint="127.0.0.1:9", max_unacked_mb=1, exit_flush_timeout_s=0.5)
+        tracer = p.get_tracer("t")
+        for generation in range(6):
+            pid = os.fork()
+            if pid == 0:
+                for i in range(800):
+                    with tracer.start_as_current_span("w", attributes={"pad": "x" * 1000, "i": i}):
+                        pass
+                os._exit(0 if p.shutdown() else 1)
+            os.waitpid(pid, 0)
+        assert p.force_flush(1500) is False
+        folder = p._exporter._children.dir
+        print(sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs) >> 10,
+              p.dropped_spans > 0)
+    """, env={"TMPDIR": str(tmp_path), "CROSSTRACE_NODE_ID": "bounded"}, timeout=60)
+    kib, dropped = out.stdout.split()
+    assert int(kib) <= 1024 + 1024 and dropped == "True", out.stdout + out.stderr   # the bound, plus the newest batch
 
 
 def test_tracer_never_blocks_when_the_collector_is_unreachable():

@@ -35,7 +35,7 @@ from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_samples
 from .encode import FIELDS, batches, encode_spans, encoded_size
-from .spool import ChildBatches, Spool, child_spool, parent_sends, tell_parent
+from .spool import ChildBatches, Spool, child_spool, parent_sends, remove_if_abandoned, tell_parent
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -52,6 +52,7 @@ _ACK_WAIT_S = 5.0      # at most, a round, for room among the unacked batches wh
 _HANDOVER_S = 0.5      # of shutdown's time, kept for the exporter thread to hand its last batches over
 _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
 _HANDOVER_POLL_S = 0.05   # how often batches handed over by forked children are looked for, and their acks
+_AFTER_FORK_S = 2.0       # a parent polls so long after a fork even where no child has handed over yet
 
 
 class ExportQueue:
@@ -153,15 +154,14 @@ class _Pending:
 
 
 class Exporter:
-    def __init__(self, cfg, clock, queue: ExportQueue, forked: bool = False,
-                 parent: tuple[str, int] | None = None):
+    def __init__(self, cfg, clock, queue: ExportQueue, forked: bool = False, parent: str | None = None):
         """`forked`: in a forked child (a DataLoader worker), which touches gRPC at the
         earliest once it has spans to send: gRPC skips its fork handlers while a call is
         open (the parent's export stream always is), and a child's own channel then aborted
-        in gRPC's poller now and then (2 of 24 children of DDP ranks). `parent`: the
-        (folder, pid) where the process that sends for this one takes its batches
-        (ChildBatches); a child hands them over there, never touching gRPC while that
-        process's tracer takes them. Its clock is the parent's, which the parent probes."""
+        in gRPC's poller now and then (2 of 24 children of DDP ranks). `parent`: the folder
+        where the process that sends for this one takes its batches (ChildBatches); a child
+        hands them over there, never touching gRPC while that process's tracer takes them.
+        Its clock is the parent's, which the parent probes."""
         self.cfg = cfg
         self.clock = clock
         self.queue = queue
@@ -192,6 +192,7 @@ class Exporter:
         self._warned: set[str] = set()
         self._parent = parent               # a forked child's, while it hands its batches over
         self._forked = False                # whether this process has forked (children may hand over)
+        self._forked_at = 0.0               # monotonic time of its last fork
         self._children = None if forked else ChildBatches(cfg.spool_dir, self.session_id)
         self._spool = None if parent else self._open_spool()   # a child's: at its first batch
         # Without a spool_dir a child's handover is bounded as batches in memory would be.
@@ -305,13 +306,16 @@ class Exporter:
             return not self.queue.queue and all(entry.spooled is not None for entry in self._unacked.values())
 
     def _parent_sends(self) -> bool:
-        return parent_sends(*self._parent)
+        parent = self._parent   # (None once this process sends itself, maybe from another thread)
+        return parent is not None and parent_sends(parent)
 
     def _send_myself(self) -> None:
         """A forked child whose parent's tracer no longer takes its batches (shut down, or
         killed): from now on it sends them itself, over a channel of its own."""
         self._reap_handed_over()
-        self._parent = None
+        parent, self._parent = self._parent, None
+        if parent is not None and self._spool is None:   # (else its spool's close() does this)
+            remove_if_abandoned(parent)
 
     def unacked_spans(self) -> tuple[int, int]:
         """Spans not acked yet: (on disk in the spool, for the next process that spools there;
@@ -324,9 +328,16 @@ class Exporter:
             spooled = 0
         return spooled, batched - spooled + len(self.queue.queue) // FIELDS
 
+    def takes_handovers(self) -> bool:
+        """Whether forked children hand their batches over to this process."""
+        return self._children is not None and self._children.dir is not None and self._parent is None
+
     def before_fork(self) -> None:
         """This process forks: from now on its children may hand batches over."""
-        if self._forked or self._children is None or self._stopping:
+        if self._children is None or self._stopping:
+            return
+        self._forked_at = time.monotonic()
+        if self._forked:
             return
         self._forked = True
         try:
@@ -342,8 +353,9 @@ class Exporter:
         if self._spool is not None:
             self._spool.forget_after_fork()
         parent = self._parent
-        if parent is None and self._children is not None and self._children.dir is not None:
-            parent = (self._children.dir, os.getppid())
+        if self._children is not None:
+            self._children.forget_after_fork()
+            parent = self._children.dir
         return Exporter(self.cfg, self.clock, self.queue, forked=True, parent=parent)
 
     def forward(self, batch: "pb.SpanBatch") -> None:
@@ -415,19 +427,24 @@ class Exporter:
                 return
 
     def _wait_s(self, next_round: float) -> float:
-        """Until the next round; shorter where handovers are polled: a parent's, once it has
-        forked, and a forked child's while a flush waits for the parent to send."""
+        """Until the next round; shorter where handovers are polled: a parent's while it has
+        children that hand over (or forked lately), and a forked child's while a flush
+        waits for the parent to send. A process that forks only to exec polls 2 s."""
         wait = max(0.0, next_round - time.monotonic())
-        if self._waiters if self._parent is not None else self._children is not None and self._children.dir:
-            wait = min(wait, _HANDOVER_POLL_S)
-        return wait
+        if self._parent is not None:
+            polls = bool(self._waiters)
+        else:
+            children = self._children
+            polls = children is not None and children.dir is not None and (
+                children.has_children or time.monotonic() - self._forked_at < _AFTER_FORK_S)
+        return min(wait, _HANDOVER_POLL_S) if polls else wait
 
     def _poll_handovers(self, full: bool = True) -> None:
         """`full`: in a round; between rounds a parent looks only where a child told it of
         batches (137 us a look with 8 children, one stat otherwise)."""
         if self._parent is not None:
             self._reap_handed_over()
-            if self._waiters and not self._parent_sends():   # a flush would wait for nothing
+            if (full or self._waiters) and not self._parent_sends():   # nobody takes them any more
                 self._send_myself()
                 self._ensure_stream()
         elif self._children is not None and self._children.dir is not None and (full or self._children.changed()):
@@ -450,12 +467,32 @@ class Exporter:
                 self._order += 1
                 key = ("child", item.path)
                 self._unacked[key] = _Pending(key, item.seq, self._order, item.spans, None, item)
+            self._bound_children()
             requests = self._requests
+            found = [item for item in found if ("child", item.path) in self._unacked]
         if requests is None:
             self._ensure_stream()   # sends every unacked batch, these too (None while out of reach)
             return
         for item in found:
             requests.append(self._unacked[("child", item.path)])
+
+    def _bound_children(self) -> None:
+        """Under self._lock: what children handed over and the collector has not acked is
+        bounded as a whole (children come and go: each one's own bound let what gone ones
+        left pile up while the collector was away), by spool_max_mb in a spool_dir, else by
+        max_unacked_mb; the oldest beyond it are dropped and counted."""
+        limit = (self.cfg.spool_max_mb if self.cfg.spool_dir else self.cfg.max_unacked_mb) << 20
+        held = [entry for entry in self._unacked.values() if entry.key[0] == "child"]
+        excess = sum(entry.size for entry in held) - limit
+        for entry in held:
+            if excess <= 0:
+                return
+            del self._unacked[entry.key]
+            self._forget(entry)
+            self.dropped += entry.spans
+            excess -= entry.size
+            self._warn_once("children_full", f"crosstrace: what forked children handed over exceeds "
+                            f"{limit >> 20} MB unsent; dropping the oldest")
 
     def _reap_handed_over(self) -> None:
         """A forked child's: the batches the parent removed, acked by the collector."""
@@ -472,10 +509,13 @@ class Exporter:
     def _handover_spool(self) -> Spool | None:
         """A forked child's spool, in the folder its parent takes batches from."""
         try:
-            return child_spool(self._parent[0], self.session_id, self.cfg.spool_fsync)
+            return child_spool(self._parent, self.session_id, self.cfg.spool_fsync)
         except OSError as exc:
+            if not self._parent_sends():   # the parent's tracer is gone, and its folder with it
+                self._send_myself()
+                return None
             self._warn_once("handover", f"crosstrace: cannot hand batches over to the parent process in "
-                            f"{self._parent[0]} ({exc}); they are kept in memory, within max_unacked_mb")
+                            f"{self._parent} ({exc}); they are kept in memory, within max_unacked_mb")
             return None
 
     def _send_queued(self) -> None:
@@ -625,7 +665,7 @@ class Exporter:
                     entry.data = None
                     self._memory_bytes -= entry.size
         if todo and self._parent is not None:
-            tell_parent(self._parent[0])
+            tell_parent(self._parent)
 
     def _give_up_oldest_in_memory(self, limit: int) -> None:
         """Under self._lock, without a spool: drop the oldest batches in memory beyond its

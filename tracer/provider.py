@@ -461,7 +461,14 @@ def before_shutdown(settle) -> None:
 
 def _at_exit() -> None:
     for provider in list(_providers):
-        _exit_hook(provider)
+        if provider._exporter is not None and provider._exporter.takes_handovers() and not getattr(
+                mp_util, "_exiting", True):
+            # Its forked children (DataLoader workers) end after this hook: multiprocessing's
+            # own exit hook, which runs later, ends or joins them. This provider ends after
+            # that, to take what they hand over at their exit.
+            mp_util.Finalize(None, functools.partial(_exit_hook, provider), exitpriority=-1)
+        else:
+            _exit_hook(provider)
 
 
 def _before_fork() -> None:

@@ -54,7 +54,10 @@ class Spooled:
 
 
 class Spool:
-    def __init__(self, root: str, node_id: str, session_id: bytes, fsync: bool = False):
+    def __init__(self, root: str, node_id: str, session_id: bytes, fsync: bool = False,
+                 make_folders: bool = True):
+        """`make_folders`: make the root and the node's folder where missing (a forked
+        child's spool goes only into the folder its parent made: see child_spool)."""
         self.root = root
         self.fsync = fsync
         node_dir = os.path.join(root, _safe(node_id))
@@ -66,10 +69,13 @@ class Spool:
         # Made under a hidden name and locked before it shows: another process's adopt() could
         # otherwise take the new, empty folder for a dead one's and remove it.
         making = os.path.join(node_dir, "." + session_id.hex())
-        try:
-            os.makedirs(making, exist_ok=True)
-        except FileNotFoundError:   # the node's folder, just made, removed by a process leaving it empty
-            os.makedirs(making, exist_ok=True)
+        if not make_folders:
+            os.mkdir(making, 0o700)
+        else:
+            try:
+                os.makedirs(making, exist_ok=True)
+            except FileNotFoundError:   # the node's folder, just made, removed by a process leaving it empty
+                os.makedirs(making, exist_ok=True)
         if not self._take(making):
             raise OSError(f"spool folder {making} is locked by another process")
         os.replace(making, self.dir)
@@ -138,9 +144,16 @@ class Spool:
         sessions = []
         for node in nodes:
             try:
-                sessions.extend(os.scandir(node))
+                entries = list(os.scandir(node))
             except OSError:   # gone meanwhile: its last process left it empty (_release_if_empty)
                 continue
+            sessions.extend(entries)
+            if not any(entry.is_dir() for entry in entries):   # a killed parent's children's folder, say
+                try:
+                    _remove_stale_mark(node)
+                    os.rmdir(node)
+                except OSError:
+                    pass
         sessions.sort(key=_mtime)
         for entry in sessions:
             if (not entry.is_dir() or entry.name.startswith(".") or entry.path == self.dir
@@ -191,6 +204,7 @@ class Spool:
                 return
             os.unlink(os.path.join(folder, _LOCK))
             os.rmdir(folder)
+            _remove_stale_mark(os.path.dirname(folder))
             os.rmdir(os.path.dirname(folder))
         except OSError:
             pass
@@ -218,21 +232,54 @@ class Spool:
         self._held.clear()
 
 
-def parent_sends(folder: str, pid: int) -> bool:
-    """Whether the process `pid` takes what its children hand over in `folder`: its tracer
-    still looks there (ChildBatches.start, not stopped yet) and the process lives."""
-    if not os.path.exists(os.path.join(folder, _SENDING)):
+def parent_sends(folder: str) -> bool:
+    """Whether the process that made `folder` (ChildBatches.start) still takes what its
+    children hand over there: its tracer holds the mark's lock while it does. (A lock, not
+    the pid: a killed parent not yet reaped is a zombie that kill(pid, 0) still finds.)"""
+    try:
+        fd = os.open(os.path.join(folder, _SENDING), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return False
     try:
-        os.kill(pid, 0)
-    except OSError:   # gone (or, a pid reused, another user's)
-        return False
-    return True
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False   # nobody holds it
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_if_abandoned(folder: str) -> None:
+    """A children's folder whose parent is gone (its mark's lock free) and that holds
+    nothing else goes (a killed parent's, by its last child)."""
+    _remove_stale_mark(folder)
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def _remove_stale_mark(folder: str) -> None:
+    """A children's folder whose parent is gone keeps its mark: it goes, so that the folder
+    can (a killed parent's, emptied by the next process that spools there)."""
+    path = os.path.join(folder, _SENDING)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+    except OSError:   # its parent still takes from there
+        pass
+    finally:
+        os.close(fd)
 
 
 def child_spool(folder: str, session_id: bytes, fsync: bool) -> Spool:
-    """A forked child's spool, in the folder its parent takes batches from."""
-    return Spool(os.path.dirname(folder), os.path.basename(folder), session_id, fsync)
+    """A forked child's spool, in the folder its parent takes batches from; OSError where
+    that folder is gone (its parent's tracer shut down): never made again by the child."""
+    return Spool(os.path.dirname(folder), os.path.basename(folder), session_id, fsync, make_folders=False)
 
 
 def tell_parent(folder: str) -> None:
@@ -255,8 +302,10 @@ class ChildBatches:
         self.spool_dir = spool_dir
         self.session_id = session_id
         self.dir: str | None = None     # made before the first fork
+        self._mark = None               # the mark's descriptor, locked while this process takes
         self._known: set[str] = set()
         self._seen = None               # the folder's time at the last look
+        self.has_children = False       # whether children's folders were there at the last look
 
     def start(self) -> None:
         """Before the first fork: the folder, marked as taken from (parent_sends)."""
@@ -265,18 +314,27 @@ class ChildBatches:
             os.makedirs(folder, mode=0o700, exist_ok=True)
         else:   # a name nobody can take first, and a folder only this user can read
             folder = tempfile.mkdtemp(prefix="crosstrace-children-")
-        with open(os.path.join(folder, _SENDING), "w"):
-            pass
-        self.dir = folder
+        fd = os.open(os.path.join(folder, _SENDING), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self.dir, self._mark = folder, fd
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the inherited descriptor of the parent's mark closes (the lock
+        belongs to the open file, which the parent keeps: a child must not keep it)."""
+        if self._mark is not None:
+            os.close(self._mark)
+            self._mark = None
 
     def stop_taking(self) -> None:
         """Children that look from now on send what they hold themselves. (Those that looked
         before wrote their batches first: new() after this finds them.)"""
-        if self.dir is not None:
+        if self._mark is not None:
             try:
                 os.unlink(os.path.join(self.dir, _SENDING))
             except OSError:
                 pass
+            os.close(self._mark)
+            self._mark = None
 
     def changed(self) -> bool:
         """Whether a child told of batches since the last look (one stat; the clock behind
@@ -295,7 +353,9 @@ class ChildBatches:
             self._seen = os.stat(self.dir).st_mtime_ns   # before the look: a change during it is seen next time
         except (OSError, TypeError):
             pass
-        for child in self._children():
+        children = self._children()
+        self.has_children = bool(children)
+        for child in children:
             paths = [(match, os.path.join(child, match[0])) for match in map(_BATCH.match, _names(child)) if match]
             if not paths and tidy:
                 _remove_if_gone(child)
@@ -342,8 +402,9 @@ class ChildBatches:
 
     def _children(self) -> list[str]:
         """The children's spool folders, oldest first (not the mark, a file)."""
-        try:
-            entries = [entry for entry in os.scandir(self.dir) if entry.is_dir()] if self.dir else []
+        try:   # (a child's folder being made is hidden: see Spool)
+            entries = [entry for entry in os.scandir(self.dir) if entry.is_dir() and not entry.name.startswith(".")
+                       ] if self.dir else []
         except OSError:
             return []
         return [entry.path for entry in sorted(entries, key=_mtime)]
