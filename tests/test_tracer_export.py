@@ -433,6 +433,47 @@ def test_children_alive_at_exit_are_ended_before_the_parent_takes_its_last_look(
     assert os.listdir(temp) == [], os.listdir(temp)
 
 
+def test_an_exit_interrupted_while_it_joins_a_child_still_keeps_the_spans(tmp_path):
+    """The parent's tracer ends after multiprocessing has joined its children; with that
+    run from multiprocessing's own exit hook, a Ctrl-C in the join cost all the spans the
+    parent had not sent (0 of 100 kept in the spool)."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    spool = tmp_path / "spool"
+    program = textwrap.dedent("""
+        import multiprocessing as mp, os, sys, time, crosstrace
+        p = crosstrace.init(endpoint="127.0.0.1:9", spool_dir=sys.argv[1], node_id="n", exit_flush_timeout_s=2)
+        tracer = p.get_tracer("t")
+        child = mp.get_context("fork").Process(target=time.sleep, args=(20,))   # joined at exit
+        child.start()
+        for i in range(100):
+            with tracer.start_as_current_span("last"):
+                pass
+        print(child.pid, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", program, str(spool)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    try:
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        try:
+            os.kill(child, signal.SIGKILL)   # (it holds the pipes open)
+        except ProcessLookupError:
+            pass
+    err = proc.stderr.read()
+    kept = sum(int(m[1]) for _, _, files in os.walk(spool) for f in files
+               if (m := re.match(r"^\d+-\d+-(\d+)\.batch$", f)))
+    assert kept == 100, err
+
+
 def test_what_children_hand_over_is_bounded_as_a_whole(tmp_path):
     """Each child bounds its own handover; children that come and go (a DataLoader's
     workers, epoch after epoch) left 6.6 MB against a 1 MB bound while the collector was

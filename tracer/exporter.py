@@ -477,10 +477,12 @@ class Exporter:
             requests.append(self._unacked[("child", item.path)])
 
     def _bound_children(self) -> None:
-        """Under self._lock: what children handed over and the collector has not acked is
+        """Under self._lock, while the collector is out of reach: what children handed over is
         bounded as a whole (children come and go: each one's own bound let what gone ones
-        left pile up while the collector was away), by spool_max_mb in a spool_dir, else by
-        max_unacked_mb; the oldest beyond it are dropped and counted."""
+        left pile up), by spool_max_mb in a spool_dir, else by max_unacked_mb; the oldest
+        beyond it are dropped and counted."""
+        if self._requests is not None:   # the stream takes them (a batch sent may be acked yet)
+            return
         limit = (self.cfg.spool_max_mb if self.cfg.spool_dir else self.cfg.max_unacked_mb) << 20
         held = [entry for entry in self._unacked.values() if entry.key[0] == "child"]
         excess = sum(entry.size for entry in held) - limit

@@ -460,14 +460,16 @@ def before_shutdown(settle) -> None:
 
 
 def _at_exit() -> None:
-    for provider in list(_providers):
-        if provider._exporter is not None and provider._exporter.takes_handovers() and not getattr(
-                mp_util, "_exiting", True):
-            # Its forked children (DataLoader workers) end after this hook: multiprocessing's
-            # own exit hook, which runs later, ends or joins them. This provider ends after
-            # that, to take what they hand over at their exit.
-            mp_util.Finalize(None, functools.partial(_exit_hook, provider), exitpriority=-1)
-        else:
+    providers = list(_providers)
+    try:
+        if any(p._exporter is not None and p._exporter.takes_handovers() for p in providers):
+            # Forked children (DataLoader workers) that hand over to this process are ended
+            # or joined by multiprocessing's exit hook, which was registered first and so
+            # would run after this one: run first, it leaves their last handovers to take.
+            # (Run from there, a stop of it, Ctrl-C in a join, cost this process's spans.)
+            mp_util._exit_function()
+    finally:
+        for provider in providers:
             _exit_hook(provider)
 
 

@@ -26,6 +26,7 @@ log = logging.getLogger("crosstrace.tracer")
 _BATCH = re.compile(r"^(\d+)-(\d+)-(\d+)\.batch$")
 _LOCK = "lock"
 _SENDING = "sending"   # in a children's folder while the process they hand over to sends
+_CHILDREN = "children-of-"   # a children's folder in a spool_dir: children-of-<session>
 
 
 def _fsync_dir(path: str) -> None:
@@ -148,7 +149,8 @@ class Spool:
             except OSError:   # gone meanwhile: its last process left it empty (_release_if_empty)
                 continue
             sessions.extend(entries)
-            if not any(entry.is_dir() for entry in entries):   # a killed parent's children's folder, say
+            if os.path.basename(node).startswith(_CHILDREN) and not any(entry.is_dir() for entry in entries):
+                # a killed parent's children's folder, left with its mark only
                 try:
                     _remove_stale_mark(node)
                     os.rmdir(node)
@@ -238,8 +240,10 @@ def parent_sends(folder: str) -> bool:
     the pid: a killed parent not yet reaped is a zombie that kill(pid, 0) still finds.)"""
     try:
         fd = os.open(os.path.join(folder, _SENDING), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except FileNotFoundError:
         return False
+    except OSError:   # out of descriptors, say: no sign that the parent stopped
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False   # nobody holds it
@@ -309,13 +313,17 @@ class ChildBatches:
 
     def start(self) -> None:
         """Before the first fork: the folder, marked as taken from (parent_sends)."""
-        if self.spool_dir:
-            folder = os.path.join(self.spool_dir, f"children-of-{self.session_id.hex()}")
-            os.makedirs(folder, mode=0o700, exist_ok=True)
+        if self.spool_dir:   # made hidden, and shown once its mark is locked (see Spool.adopt)
+            name = f"{_CHILDREN}{self.session_id.hex()}"
+            os.makedirs(self.spool_dir, exist_ok=True)
+            making = tempfile.mkdtemp(prefix=f".{name}-", dir=self.spool_dir)
+            folder = os.path.join(self.spool_dir, name)
         else:   # a name nobody can take first, and a folder only this user can read
-            folder = tempfile.mkdtemp(prefix="crosstrace-children-")
-        fd = os.open(os.path.join(folder, _SENDING), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            making = folder = tempfile.mkdtemp(prefix="crosstrace-children-")
+        fd = os.open(os.path.join(making, _SENDING), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        if making != folder:
+            os.replace(making, folder)
         self.dir, self._mark = folder, fd
 
     def forget_after_fork(self) -> None:
