@@ -191,12 +191,12 @@ class Exporter:
         self._backoff = 0.1
         self._warned: set[str] = set()
         self._parent = parent               # a forked child's, while it hands its batches over
-        self._forked = False                # whether this process has forked (children may hand over)
-        self._forked_at = 0.0               # monotonic time of its last fork
+        self._forked_at = 0.0               # monotonic time of this process's last fork (0: none yet)
         self._children = None if forked else ChildBatches(cfg.spool_dir, self.session_id)
         self._spool = None if parent else self._open_spool()   # a child's: at its first batch
-        # Without a spool_dir a child's handover is bounded as batches in memory would be.
-        self._spool_max_mb = cfg.max_unacked_mb if parent and not cfg.spool_dir else cfg.spool_max_mb
+        # What children hand over: outside a spool_dir bounded as batches in memory would be.
+        self._handover_mb = cfg.spool_max_mb if cfg.spool_dir else cfg.max_unacked_mb
+        self._spool_max_mb = self._handover_mb if parent else cfg.spool_max_mb
         self._prober = ClockProber(cfg, clock, queue.samples, self._get_channel, idle=forked)
         queue.wake = self._wake.set
         try:
@@ -257,16 +257,7 @@ class Exporter:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._prober.close()
         self._close_stream()
-        with self._spill_lock:
-            try:
-                if self._spool is not None:
-                    self._spill(everything=True)  # the next process that spools there replays what is left
-                    self._spool.close()
-            except OSError as exc:            # never raise into the traced program at its exit
-                log.warning("crosstrace: could not keep the unacked batches in %s: %s", self.cfg.spool_dir, exc)
-                flushed = False
-            finally:
-                self._closed = True
+        flushed = self._last_spill() and flushed
         if self._children is not None:
             untaken = self._children.close()
             if untaken:
@@ -293,17 +284,25 @@ class Exporter:
             self._thread.start()
             return None
         self._prober.close()
+        self._last_spill()
+        with self._lock:
+            return not self.queue.queue and all(entry.spooled is not None for entry in self._unacked.values())
+
+    def _last_spill(self) -> bool:
+        """At shutdown: what is unacked goes to the spool (the next process that spools there
+        replays it; a forked child's parent sends it), which then closes; no batch is kept
+        after. False where the disk refused."""
         with self._spill_lock:
             try:
                 self._spill(everything=True)
                 if self._spool is not None:
                     self._spool.close()
-            except OSError as exc:
-                log.warning("crosstrace: could not hand the last batches over to the parent process: %s", exc)
+                return True
+            except OSError as exc:   # never raise into the traced program at its exit
+                log.warning("crosstrace: could not keep the unacked batches on disk: %s", exc)
+                return False
             finally:
                 self._closed = True
-        with self._lock:
-            return not self.queue.queue and all(entry.spooled is not None for entry in self._unacked.values())
 
     def _parent_sends(self) -> bool:
         parent = self._parent   # (None once this process sends itself, maybe from another thread)
@@ -330,16 +329,15 @@ class Exporter:
 
     def takes_handovers(self) -> bool:
         """Whether forked children hand their batches over to this process."""
-        return self._children is not None and self._children.dir is not None and self._parent is None
+        return self._children is not None and self._children.dir is not None
 
     def before_fork(self) -> None:
         """This process forks: from now on its children may hand batches over."""
         if self._children is None or self._stopping:
             return
-        self._forked_at = time.monotonic()
-        if self._forked:
+        first, self._forked_at = not self._forked_at, time.monotonic()
+        if not first:
             return
-        self._forked = True
         try:
             self._children.start()
         except OSError as exc:   # its children then export on channels of their own
@@ -434,9 +432,8 @@ class Exporter:
         if self._parent is not None:
             polls = bool(self._waiters)
         else:
-            children = self._children
-            polls = children is not None and children.dir is not None and (
-                children.has_children or time.monotonic() - self._forked_at < _AFTER_FORK_S)
+            polls = self.takes_handovers() and (
+                self._children.has_children or time.monotonic() - self._forked_at < _AFTER_FORK_S)
         return min(wait, _HANDOVER_POLL_S) if polls else wait
 
     def _poll_handovers(self, full: bool = True) -> None:
@@ -447,7 +444,7 @@ class Exporter:
             if (full or self._waiters) and not self._parent_sends():   # nobody takes them any more
                 self._send_myself()
                 self._ensure_stream()
-        elif self._children is not None and self._children.dir is not None and (full or self._children.changed()):
+        elif self.takes_handovers() and (full or self._children.changed()):
             self._take_children(tidy=full)
 
     def _take_children(self, tidy: bool) -> None:
@@ -455,11 +452,8 @@ class Exporter:
         found, vanished = self._children.new(tidy)
         if vanished:   # their child counted them where it dropped them
             with self._lock:
-                for path in vanished:
-                    entry = self._unacked.pop(("child", path), None)
-                    if entry is not None:
-                        entry.gone = True
-                self._resolve_waiters()
+                self._let_go_unlocked([self._unacked[key] for key in (("child", path) for path in vanished)
+                                       if key in self._unacked])
         if not found:
             return
         with self._lock:
@@ -483,7 +477,7 @@ class Exporter:
         beyond it are dropped and counted."""
         if self._requests is not None:   # the stream takes them (a batch sent may be acked yet)
             return
-        limit = (self.cfg.spool_max_mb if self.cfg.spool_dir else self.cfg.max_unacked_mb) << 20
+        limit = self._handover_mb << 20
         held = [entry for entry in self._unacked.values() if entry.key[0] == "child"]
         excess = sum(entry.size for entry in held) - limit
         for entry in held:
@@ -499,14 +493,8 @@ class Exporter:
     def _reap_handed_over(self) -> None:
         """A forked child's: the batches the parent removed, acked by the collector."""
         with self._lock:
-            done = [entry for entry in self._unacked.values()
-                    if entry.spooled is not None and not os.path.exists(entry.spooled.path)]
-            for entry in done:
-                del self._unacked[entry.key]
-                entry.gone = True
-                self._spool.handed_over(entry.spooled)
-            if done:
-                self._resolve_waiters()
+            self._let_go_unlocked([entry for entry in self._unacked.values()
+                                   if entry.spooled is not None and not os.path.exists(entry.spooled.path)])
 
     def _handover_spool(self) -> Spool | None:
         """A forked child's spool, in the folder its parent takes batches from."""
@@ -796,13 +784,18 @@ class Exporter:
             self._wake.set()
 
     def _let_go(self, entry: _Pending) -> None:
-        """A batch whose file went unsent: acked and removed by another process that sent it
-        (a forked child's parent, or a process that adopted the spool folder it is in)."""
         with self._lock:
+            self._let_go_unlocked([entry])
+
+    def _let_go_unlocked(self, entries: list) -> None:
+        """Under self._lock: batches whose files are gone unsent by this process: sent and
+        removed by another (a forked child's parent, a process that adopted the folder),
+        or dropped by the child that handed them over, which counted them."""
+        for entry in entries:
             if not entry.gone and self._unacked.get(entry.key) is entry:
                 del self._unacked[entry.key]
                 self._forget(entry)
-            self._resolve_waiters()
+        self._resolve_waiters()
 
     def _resolve_waiters(self) -> None:
         """Under self._lock: a flush is done once no batch queued up to it is unacked."""

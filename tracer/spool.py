@@ -127,11 +127,6 @@ class Spool:
         if folder != self.dir:
             self._release_if_empty(folder)
 
-    def handed_over(self, item: Spooled) -> None:
-        """A forked child's batch that its parent sent and removed."""
-        with self._lock:
-            self.bytes -= item.size
-
     # -- other sessions ---------------------------------------------------------------------
 
     def adopt(self) -> list[Spooled]:
@@ -150,31 +145,18 @@ class Spool:
                 continue
             sessions.extend(entries)
             if os.path.basename(node).startswith(_CHILDREN) and not any(entry.is_dir() for entry in entries):
-                # a killed parent's children's folder, left with its mark only
-                try:
-                    _remove_stale_mark(node)
-                    os.rmdir(node)
-                except OSError:
-                    pass
+                remove_if_abandoned(node)   # a killed parent's children's folder, left with its mark only
         sessions.sort(key=_mtime)
         for entry in sessions:
             if (not entry.is_dir() or entry.name.startswith(".") or entry.path == self.dir
                     or not self._take(entry.path)):
                 continue
-            batches = []
             try:
-                for item in os.scandir(entry.path):
-                    match = _BATCH.match(item.name)
-                    if match:
-                        number, seq, spans = map(int, match.groups())
-                        batches.append((number, Spooled(item.path, seq, spans, item.stat().st_size)))
-                    elif item.name.endswith(".tmp"):
-                        os.unlink(item.path)   # a write that never finished
+                batches = _spooled_in(entry.path, owner_gone=True)
             except OSError:   # removed meanwhile: its owner closed it empty as this process took it
                 self._release_if_empty(entry.path)
                 continue
-            batches.sort(key=lambda b: b[0])
-            for _, item in batches:
+            for item in batches:
                 found.append(item)
                 self.bytes += item.size
             if not batches:
@@ -206,10 +188,10 @@ class Spool:
                 return
             os.unlink(os.path.join(folder, _LOCK))
             os.rmdir(folder)
-            _remove_stale_mark(os.path.dirname(folder))
-            os.rmdir(os.path.dirname(folder))
         except OSError:
             pass
+        else:
+            remove_if_abandoned(os.path.dirname(folder))
         fd = self._held.pop(folder, None)
         if fd is not None:
             os.close(fd)
@@ -254,30 +236,26 @@ def parent_sends(folder: str) -> bool:
 
 
 def remove_if_abandoned(folder: str) -> None:
-    """A children's folder whose parent is gone (its mark's lock free) and that holds
-    nothing else goes (a killed parent's, by its last child)."""
-    _remove_stale_mark(folder)
-    try:
-        os.rmdir(folder)
-    except OSError:
-        pass
-
-
-def _remove_stale_mark(folder: str) -> None:
-    """A children's folder whose parent is gone keeps its mark: it goes, so that the folder
-    can (a killed parent's, emptied by the next process that spools there)."""
+    """A children's folder whose parent is gone keeps its mark, its lock free: the mark
+    goes, and the folder if nothing else is left in it (a killed parent's, by its last
+    child or by the next process that spools there). Also any empty node folder."""
     path = os.path.join(folder, _SENDING)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+        except OSError:   # its parent still takes from there
+            return
+        finally:
+            os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(path)
-    except OSError:   # its parent still takes from there
+        os.rmdir(folder)
+    except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def child_spool(folder: str, session_id: bytes, fsync: bool) -> Spool:
@@ -364,18 +342,15 @@ class ChildBatches:
         children = self._children()
         self.has_children = bool(children)
         for child in children:
-            paths = [(match, os.path.join(child, match[0])) for match in map(_BATCH.match, _names(child)) if match]
-            if not paths and tidy:
+            try:
+                batches = _spooled_in(child)
+            except OSError:   # adopted and emptied by another process (its child gone)
+                continue
+            if not batches and tidy:
                 _remove_if_gone(child)
-            present.update(path for _, path in paths)
-            batches = [(int(match[1]), path, int(match[2]), int(match[3]))
-                       for match, path in paths if path not in self._known]
-            for _, path, seq, spans in sorted(batches):
-                try:
-                    found.append(Spooled(path, seq, spans, os.path.getsize(path)))
-                except OSError:
-                    continue
-                self._known.add(path)
+            present.update(item.path for item in batches)
+            found.extend(item for item in batches if item.path not in self._known)
+        self._known.update(item.path for item in found)
         vanished = list(self._known - present)
         self._known.difference_update(vanished)
         return found, vanished
@@ -395,12 +370,14 @@ class ChildBatches:
         self.stop_taking()
         untaken = 0
         for child in self._children():
-            left = [name for name in _names(child) if _BATCH.match(name)]
+            try:
+                left = _spooled_in(child)
+            except OSError:
+                continue
             if left and self.spool_dir:
                 continue
-            if _remove_if_gone(child, left):
-                untaken += sum(int(_BATCH.match(name)[3]) for name in left
-                               if os.path.join(child, name) not in self._known)
+            if _remove_if_gone(child, with_batches=True):
+                untaken += sum(item.spans for item in left if item.path not in self._known)
         if self.dir is not None:
             try:
                 os.rmdir(self.dir)
@@ -418,28 +395,39 @@ class ChildBatches:
         return [entry.path for entry in sorted(entries, key=_mtime)]
 
 
-def _names(folder: str) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
+def _spooled_in(folder: str, owner_gone: bool = False) -> list[Spooled]:
+    """The batches in a session folder, in the order they were written; OSError where the
+    folder is gone. `owner_gone`: a write of its owner's that never finished goes too."""
+    batches = []
+    for item in os.scandir(folder):
+        match = _BATCH.match(item.name)
+        try:
+            if match:
+                number, seq, spans = map(int, match.groups())
+                batches.append((number, Spooled(item.path, seq, spans, item.stat().st_size)))
+            elif owner_gone and item.name.endswith(".tmp"):
+                os.unlink(item.path)
+        except FileNotFoundError:   # sent and removed meanwhile
+            continue
+    return [item for _, item in sorted(batches, key=lambda b: b[0])]
 
 
-def _remove_if_gone(folder: str, batches: list[str] = ()) -> bool:
-    """Remove a child's spool folder (with the batches named, and a write a kill cut short)
-    once its child has let go of the lock. Whether it was removed."""
+def _remove_if_gone(folder: str, with_batches: bool = False) -> bool:
+    """Remove a child's spool folder (and a write a kill cut short; `with_batches`: its
+    batches too) once its child has let go of the lock. Whether it was removed."""
     try:
         fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        for name in [*batches, *(name for name in _names(folder) if name.endswith(".tmp"))]:
-            os.unlink(os.path.join(folder, name))
+        for item in _spooled_in(folder, owner_gone=True):
+            if with_batches:
+                os.unlink(item.path)
         os.unlink(os.path.join(folder, _LOCK))
         os.rmdir(folder)
         return True
-    except OSError:   # the child lives on (or wrote a batch meanwhile)
+    except OSError:   # the child lives on (or left batches)
         return False
     finally:
         os.close(fd)
