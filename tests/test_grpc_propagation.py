@@ -783,3 +783,35 @@ def test_a_future_asked_for_its_result_at_once_completes(collector):
     finally:
         server.stop(0)
     flush_all({"client": provider})
+
+
+def test_an_unsampled_step_passes_its_trace_on_and_nothing_is_recorded(collector):
+    """Inside a step that is not sampled, spans and calls record nothing on either side, the
+    step's span stays current, and the calls carry its trace id, unsampled, so that no
+    server starts a trace of its own. A sampled call through the same channel is recorded."""
+    from opentelemetry import trace
+
+    from crosstrace.tracer.step import step_trace_id
+
+    tiers = providers(collector)
+    tracer = tiers["client"].get_tracer("test")
+    with traced_echo(tiers["middle"]) as (seen, address, _):
+        channel = crosstrace.instrument_channel(grpc.insecure_channel(address), tiers["client"])
+        echo = channel.unary_unary("/test.Svc/Echo")
+        with crosstrace.step(1, every=2, job_id="unsampled-job") as step_span:
+            with tracer.start_as_current_span("inner") as inner:
+                assert inner is step_span and trace.get_current_span() is step_span
+                assert not inner.is_recording() and tracer.start_span("other") is step_span
+                assert echo(b"x", timeout=10) == b"x"
+            assert trace.get_current_span() is step_span
+        with tracer.start_as_current_span("sampled"):
+            assert echo(b"y", timeout=10) == b"y"
+        channel.close()
+    trace_id = step_trace_id("unsampled-job", 1)
+    assert seen[0]["traceparent"] == f"00-{trace_id:032x}-{trace_id & (1 << 64) - 1:016x}-00"
+    assert step_span.get_span_context().trace_id == trace_id and not step_span.get_span_context().trace_flags.sampled
+    flush_all(tiers)
+    spans, _ = load(collector)
+    assert sorted((s["node"], s["name"]) for s in spans) == [
+        ("client", "sampled"), ("client", "test.Svc/Echo"), ("middle", "test.Svc/Echo")]
+    assert f"{trace_id:032x}" not in {s["trace"] for s in spans}

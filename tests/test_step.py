@@ -57,6 +57,9 @@ def test_step_trace_id_is_a_function_of_job_and_step():
     ids = {step_trace_id(job, k) for job in ("a", "b") for k in range(1000)}
     assert len(ids) == 2000 and all(0 < t < 1 << 128 for t in ids)
     assert step_trace_id("a", 7) == step_trace_id("a", 7)
+    keyed = {step_trace_id("a", k, run, round_) for k in (0, 1, 7, "7", -1) for run in ("", "r1", "r2")
+             for round_ in (0, 1)}
+    assert len(keyed) == 30 and 0 not in keyed   # runs, rounds and shared roots' keys apart
 
 
 def test_bad_arguments_are_clear_errors():

@@ -23,7 +23,7 @@ from .clock import Clock
 from .config import Config
 from .encode import FIELDS
 from .exporter import Exporter, ExportQueue
-from .span import OTEL_KIND, Span, SpanExtras, log, own_links
+from .span import OTEL_KIND, Span, SpanExtras, UnsampledSpan, log, own_links
 
 _random_bits = random.getrandbits
 _new = object.__new__
@@ -133,6 +133,8 @@ class Tracer(trace_api.Tracer):
             trace_id, parent_id = _random_bits(128) or _new_id(128), 0
         elif isinstance(parent, Span) and parent.extras is None:   # the common nesting, inline
             trace_id, parent_id = parent.trace_id, parent.span_id
+        elif parent.__class__ is UnsampledSpan:   # immutable, and as non-recording as a new one
+            return parent
         else:
             under = _under(parent)
             if under is None:
@@ -245,6 +247,10 @@ class ScopedSpan(Span):
             self.trace_id = _random_bits(128) or _new_id(128)
         elif isinstance(span, Span) and span.extras is None:   # the common nesting, inline
             self.trace_id, self.parent_id = span.trace_id, span.span_id
+        elif span.__class__ is UnsampledSpan:   # an unsampled step's: nothing recorded, its context stays current
+            self.trace_id, self.end_ns = span.trace_id, 1
+            self._token = _attach(parent)
+            return span
         else:
             under = _under(span)
             if under is None:   # an unsampled parent: nothing is recorded, the parent's context is current

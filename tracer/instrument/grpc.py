@@ -47,7 +47,7 @@ from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
 from ..provider import attach_span, current_context, detach, detach_quietly
-from ..span import RemoteParent, Span
+from ..span import RemoteParent, Span, UnsampledSpan
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -174,6 +174,8 @@ def _extract(carrier: dict) -> Context:
     ids = _traceparent(carrier)
     if ids is not None:
         trace_id, span_id, flags = ids
+        if not flags & trace_api.TraceFlags.SAMPLED:
+            return Context({_SPAN_KEY: UnsampledSpan(trace_id, span_id)})
         parent = trace_api.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace_api.TraceFlags(flags))
         return Context({_SPAN_KEY: trace_api.NonRecordingSpan(parent)})
     if "traceparent" not in carrier and _default_textmap() and "baggage" not in carrier:

@@ -65,7 +65,7 @@ from opentelemetry.trace.status import StatusCode
 
 from ...proto import semconv as sc
 from ..provider import TracerProvider, before_shutdown, current_context
-from ..span import Span
+from ..span import Span, UnsampledSpan
 from ..step import active_step, run_id, shared_by_ranks, shared_root
 
 AVAILABLE = dist.is_available()
@@ -135,6 +135,8 @@ def _sampled(context) -> bool | None:
     span = context.get(_SPAN_KEY)
     if isinstance(span, Span):
         return True
+    if span.__class__ is UnsampledSpan:   # inside an unsampled step
+        return False
     if not isinstance(span, trace_api.Span):   # nothing there, or not a span: as the API reads it
         return None
     ctx = span.get_span_context()
