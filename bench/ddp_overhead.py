@@ -20,16 +20,19 @@ mode adds to its step, paired per round, is tracing's own cost on a rank's path,
 printed against the 4-rank untraced step too.
 
 The export runs on background threads (crosstrace's and gRPC's) whenever its interval comes
-round, so its cost falls on the blocks of every mode alike and the pairing cannot see it.
-It is measured apart: the CPU time of those threads over the run, against the ranks' whole
-CPU time, is printed as a share to add to both traced ratios (an upper bound: a part of it
-is already inside them). The collector runs on the same two cores here, unlike a real job.
+round, so its cost falls on the blocks of every mode alike, where the pairing cannot see it.
+It is measured apart, after the rounds: each mode runs --export-steps steps on end, at the
+exporter's own pace, then flushes; the CPU time of those threads (the export, and the DDP
+bucket spans the exporter builds) against the ranks' whole CPU time in that run is the
+mode's share. What a traced mode's share has beyond the untraced one's is what its export
+costs, to add to its ratio (an upper bound: a part of it is already inside the step times).
+The collector runs on the same two cores here, unlike a real job.
 
 The ranks' CPU time per step (all four, every thread, per block, paired per round) is
 printed too: waiting for the scheduler does not count in it, so it resolves what tracing
 costs where wall time on two cores cannot, though it is not the step time the targets name.
 
-    python bench/ddp_overhead.py [--rounds R] [--steps S] [--hidden H]
+    python bench/ddp_overhead.py [--rounds R] [--steps S] [--hidden H] [--export-steps N]
 """
 import argparse
 import json
@@ -115,41 +118,50 @@ def worker(args) -> None:
                 block.append(time.perf_counter() - t0)
             cpu[mode].append((time.process_time() - c0) / args.steps)
             times[mode].append(block)
+    export_cpu = {}   # per mode: CPU ns of the export threads, of all threads, in its run on end
+    for mode in ("untraced", "every step", "every 10th"):
+        switch(mode)
+        provider.force_flush(30_000)
+        before = thread_cpu()
+        for _ in range(args.export_steps):
+            modes[mode]()
+        provider.force_flush(30_000)
+        export_cpu[mode] = [after - b for after, b in zip(thread_cpu(), before)]
     flushed = provider.force_flush(60_000)
     shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, thread_cpu())
+    dist.all_gather_object(shares, export_cpu)
     cpus = [None] * dist.get_world_size()
     dist.all_gather_object(cpus, cpu)
     dist.destroy_process_group()
     if rank == 0:
-        background = sum(b for b, _ in shares) / sum(total for _, total in shares)
+        background = {mode: sum(share[mode][0] for share in shares) / sum(share[mode][1] for share in shares)
+                      for mode in shares[0]}
         ranks_cpu = {mode: [sum(per_rank) for per_rank in zip(*(c[mode] for c in cpus))] for mode in modes}
         print(json.dumps({"times": times, "cpu": ranks_cpu, "flushed": flushed, "dropped": provider.dropped_spans,
                           "background": background}))
 
 
-def thread_cpu() -> tuple[float, float]:
-    """(CPU seconds of this process's export threads, of all its threads) so far, from
-    /proc: the export threads are every Python thread but the main one (crosstrace's and
-    gRPC's; only crosstrace uses gRPC here) and gRPC's own; the rest are the training
-    loop's, gloo's and the TCP store's."""
+def thread_cpu() -> tuple[int, int]:
+    """(CPU ns of this process's export threads, of all its threads) so far, from /proc's
+    schedstat (to the ns, where stat counts 10 ms ticks): the export threads are every
+    Python thread but the main one (crosstrace's and gRPC's; only crosstrace uses gRPC
+    here) and gRPC's own; the rest are the training loop's, gloo's and the TCP store's."""
     import threading
 
     exporters = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
     grpc_prefixes = ("grpc", "event_engine", "lifeguard", "default-execu", "resolver-exec")
-    background = total = 0.0
+    background = total = 0
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
         except OSError:
             continue  # the thread has ended
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        total += seconds
+        total += ns
         if int(tid) in exporters or name.startswith(grpc_prefixes):
-            background += seconds
+            background += ns
     return background, total
 
 
@@ -215,6 +227,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per mode per round")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width (3 layers: ~3 h^2 parameters)")
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--export-steps", type=int, default=80, help="steps per mode run on end for the export's "
+                        "share (80: about 5 s at 4 ranks)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -274,8 +288,11 @@ def main() -> None:
     print(f"{args.world} ranks' CPU time per step, paired per round (scheduling does not count): "
           + ", ".join("{} {:.4f} ({:.3f}-{:.3f})".format(mode, *cpu_ratio(mode))
                       for mode in ("untraced 2", "every step", "every 10th")))
-    print(f"export threads' share of the ranks' CPU time: {result['background']:.4f}   (add to both traced "
-          "ratios at most; see the docstring)")
+    shares = result["background"]
+    print(f"export threads' share of the ranks' CPU time, each mode {args.export_steps} steps on end: "
+          + ", ".join(f"{mode} {share:.4f}" for mode, share in shares.items())
+          + "; beyond untraced (add to the ratio at most; see the docstring): "
+          + ", ".join(f"{mode} {shares[mode] - shares['untraced']:+.4f}" for mode in ("every step", "every 10th")))
     print(f"all spans acked by the collector: {result['flushed']}, dropped: {result['dropped']}")
     print(f"crosstrace.step() with 3 child spans: {cost['sampled']:.1f} us sampled, {cost['unsampled']:.1f} us "
           f"unsampled; the same 4 spans with the opentelemetry-sdk: {cost['sdk']:.1f} us, ratio (sampled) "
