@@ -789,7 +789,7 @@ def test_an_unsampled_step_passes_its_trace_on_and_nothing_is_recorded(collector
     """Inside a step that is not sampled, spans and calls record nothing on either side, the
     step's span stays current, and the calls carry its trace id, unsampled, so that no
     server starts a trace of its own. A sampled call through the same channel is recorded."""
-    from opentelemetry import trace
+    from opentelemetry import propagate, trace
 
     from crosstrace.tracer.step import step_trace_id
 
@@ -815,3 +815,8 @@ def test_an_unsampled_step_passes_its_trace_on_and_nothing_is_recorded(collector
     assert sorted((s["node"], s["name"]) for s in spans) == [
         ("client", "sampled"), ("client", "test.Svc/Echo"), ("middle", "test.Svc/Echo")]
     assert f"{trace_id:032x}" not in {s["trace"] for s in spans}
+    # Flags beside the sampled one (W3C level 2's random flag) are passed on as they came.
+    carrier = {}
+    parent = ct_grpc._extract({"traceparent": f"00-{trace_id:032x}-{1234:016x}-02"})
+    propagate.inject(carrier, context=parent)
+    assert carrier["traceparent"] == f"00-{trace_id:032x}-{1234:016x}-02"

@@ -3,6 +3,7 @@ alike on every rank, with crosstrace's provider (real tracer processes into a re
 collector) and with the OpenTelemetry SDK as the global provider."""
 import json
 
+import numpy as np
 import pytest
 
 import crosstrace
@@ -60,6 +61,7 @@ def test_step_trace_id_is_a_function_of_job_and_step():
     keyed = {step_trace_id("a", k, run, round_) for k in (0, 1, 7, "7", -1) for run in ("", "r1", "r2")
              for round_ in (0, 1)}
     assert len(keyed) == 30 and 0 not in keyed   # runs, rounds and shared roots' keys apart
+    assert step_trace_id("a", np.int64(7), "r1", 1) == step_trace_id("a", 7, "r1", 1)
 
 
 def test_bad_arguments_are_clear_errors():

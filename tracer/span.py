@@ -23,7 +23,6 @@ log = logging.getLogger("crosstrace.tracer")
 MAX_EVENTS = MAX_LINKS = 128
 
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
-_NOT_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.DEFAULT)
 _DEFAULT_TRACE_STATE = trace_api.DEFAULT_TRACE_STATE
 
 OTEL_KIND = {trace_api.SpanKind.INTERNAL: Kind.INTERNAL,
@@ -196,13 +195,15 @@ class UnsampledSpan(trace_api.NonRecordingSpan):
     making a Context. Each of those Python calls costs microseconds right after a
     training step's compute (cold caches), where an unsampled step's spans start."""
 
-    def __init__(self, trace_id: int, span_id: int):   # (NonRecordingSpan's own would make the SpanContext now)
-        self.trace_id, self.span_id, self._context = trace_id, span_id, None
+    def __init__(self, trace_id: int, span_id: int, flags: int = 0):   # (NonRecordingSpan's would make the SpanContext)
+        self.trace_id, self.span_id, self.flags, self._context = trace_id, span_id, flags, None
 
     def get_span_context(self) -> trace_api.SpanContext:
-        """Made when first asked for (to propagate it, say): crosstrace's own paths never ask."""
+        """Made when first asked for (to propagate it, say): crosstrace's own paths never ask.
+        Flags beside the sampled one (W3C level 2's random flag) are passed on as they came."""
         if self._context is None:
-            self._context = trace_api.SpanContext(self.trace_id, self.span_id, True, _NOT_SAMPLED)
+            self._context = trace_api.SpanContext(self.trace_id, self.span_id, True,
+                                                  trace_api.TraceFlags(self.flags & ~trace_api.TraceFlags.SAMPLED))
         return self._context
 
     def __repr__(self) -> str:

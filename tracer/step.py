@@ -26,6 +26,7 @@ providers keep (never recorded); crosstrace's starts the step span as a root of 
 on each rank.
 """
 import hashlib
+import operator
 import os
 import sys
 import threading
@@ -56,7 +57,9 @@ def step_trace_id(job_id: str, k: int | str, run: str = "", round_: int = 0) -> 
     round: the same on every rank, never 0. For a step number, a hash of (job, run, round),
     taken once, is mixed with k by a bijection: a hash per step cost ~20 us right after a
     step's compute (cold caches), on every step, sampled or not."""
-    if k.__class__ is not int:
+    try:
+        k = operator.index(k)   # a numpy integer as the int it is
+    except TypeError:
         return _hash(f"{job_id}\x00{k}" + (f"\x00{run}" if run else "") + (f"\x00round {round_}" if round_ else ""))
     base = _bases.get((job_id, run, round_))
     if base is None:

@@ -175,7 +175,7 @@ def _extract(carrier: dict) -> Context:
     if ids is not None:
         trace_id, span_id, flags = ids
         if not flags & trace_api.TraceFlags.SAMPLED:
-            return Context({_SPAN_KEY: UnsampledSpan(trace_id, span_id)})
+            return Context({_SPAN_KEY: UnsampledSpan(trace_id, span_id, flags)})
         parent = trace_api.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace_api.TraceFlags(flags))
         return Context({_SPAN_KEY: trace_api.NonRecordingSpan(parent)})
     if "traceparent" not in carrier and _default_textmap() and "baggage" not in carrier:
