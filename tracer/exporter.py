@@ -717,6 +717,7 @@ class Exporter:
                 requests.append(entry)
             self._requests = requests
         call = export(iter(requests))
+        call.add_done_callback(requests.ended)
         threading.Thread(target=self._read_acks, args=(call, requests), name="crosstrace-acks",
                          daemon=True).start()
         return requests
@@ -730,7 +731,10 @@ class Exporter:
 
     def _read_acks(self, call, requests) -> None:
         try:
-            for ack in call:
+            while requests.awaits_acks():
+                ack = next(call, None)
+                if ack is None:   # the collector ended the stream
+                    break
                 entry = requests.acked(ack.seq)
                 with self._lock:
                     if entry is not None and not entry.gone:
@@ -900,6 +904,8 @@ class _RequestStream:
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
         self._sent: collections.deque = collections.deque()
+        self._in_flight = threading.Condition(threading.Lock())   # a batch went out, or the stream closed or ended
+        self._ended = False   # the call ended (refused, the collector gone): its status is to be read
 
     def append(self, entry: _Pending) -> None:
         with self._ready:
@@ -910,6 +916,24 @@ class _RequestStream:
         with self._ready:
             self._closed = True
             self._ready.notify()
+        with self._in_flight:
+            self._in_flight.notify_all()
+
+    def ended(self, call=None) -> None:
+        """The call ended (gRPC's done callback)."""
+        with self._in_flight:
+            self._ended = True
+            self._in_flight.notify_all()
+
+    def awaits_acks(self) -> bool:
+        """Wait until the call has something to read: an ack of a batch that went out, or
+        its end (True); False where the stream closed with neither. Acks are read from the
+        call only then: gRPC's blocking read wakes ten times a second while it waits, which
+        was an idle stream's main cost (1.3 ms of CPU a second here)."""
+        with self._in_flight:
+            while not self._sent and not self._closed and not self._ended:
+                self._in_flight.wait()
+            return bool(self._sent) or self._ended
 
     def acked(self, seq: int | None) -> _Pending | None:
         """The sent batch an ack (seq None: a refusal) answers: acks come in order."""
@@ -937,5 +961,7 @@ class _RequestStream:
                     if entry.spooled is not None:
                         self._missing(entry)
                     continue
-            self._sent.append(entry)
+            with self._in_flight:
+                self._sent.append(entry)
+                self._in_flight.notify()
             yield data
