@@ -738,3 +738,32 @@ def test_an_idle_export_stream_does_not_poll(collector):
     finally:
         provider.shutdown()
     assert span_count(collector.store) == 2
+
+
+def test_a_hung_collector_is_found_and_every_span_arrives_once(tmp_path):
+    """A collector that stops answering (SIGSTOP: its connection stays open, no RST) is found
+    by the keepalive pings within ~30 s, where gRPC's default ping timeout took 70 s, and the
+    batches go to the spool; once it answers again every span arrives, once."""
+    import signal
+
+    store = str(tmp_path / "hung.db")
+    with CollectorProcess(store) as collector:
+        provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="hung",
+                                             spool_dir=str(tmp_path / "spool"))
+        tracer = provider.get_tracer("t")
+        try:
+            with tracer.start_as_current_span("before"):
+                pass
+            assert provider.force_flush(10_000)
+            os.kill(collector.proc.pid, signal.SIGSTOP)
+            try:
+                for i in range(100):
+                    with tracer.start_as_current_span("while hung", attributes={"i": i}):
+                        pass
+                assert wait_until(lambda: provider._exporter._requests is None, 45)
+            finally:
+                os.kill(collector.proc.pid, signal.SIGCONT)
+            assert provider.force_flush(60_000)
+        finally:
+            provider.shutdown()
+    assert span_count(store) == 101

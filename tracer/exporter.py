@@ -827,10 +827,15 @@ class Exporter:
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    # A link that drops silently (no RST) is found within ~15 s, not when TCP
-                    # gives up minutes later: batches then go to the spool.
+                    # A link that drops silently (no RST) or a collector that hangs is found
+                    # within ~30 s, not when TCP gives up minutes later: batches then go to
+                    # the spool. A keepalive ping's answer is awaited for gRPC's ping timeout
+                    # (60 s by default, whatever keepalive_timeout_ms says: a stopped collector
+                    # was found after 70 s); 20 s leave a slow uplink time to carry a ping
+                    # queued behind a batch (1 MB at 400 kbit/s).
                     ("grpc.keepalive_time_ms", 10_000),
-                    ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.keepalive_timeout_ms", 20_000),
+                    ("grpc.http2.ping_timeout_ms", 20_000),
                     ("grpc.http2.max_pings_without_data", 0)]
 
 
