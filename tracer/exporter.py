@@ -463,12 +463,12 @@ class Exporter:
                 self._unacked[key] = _Pending(key, item.seq, self._order, item.spans, None, item)
             self._bound_children()
             requests = self._requests
-            found = [item for item in found if ("child", item.path) in self._unacked]
+            entries = [self._unacked[key] for key in (("child", item.path) for item in found) if key in self._unacked]
         if requests is None:
             self._ensure_stream()   # sends every unacked batch, these too (None while out of reach)
             return
-        for item in found:
-            requests.append(self._unacked[("child", item.path)])
+        for entry in entries:
+            requests.append(entry)
 
     def _bound_children(self) -> None:
         """Under self._lock, while the collector is out of reach: what children handed over is
@@ -483,9 +483,7 @@ class Exporter:
         for entry in held:
             if excess <= 0:
                 return
-            del self._unacked[entry.key]
-            self._forget(entry)
-            self.dropped += entry.spans
+            self._forget(entry, dropped=True)
             excess -= entry.size
             self._warn_once("children_full", f"crosstrace: what forked children handed over exceeds "
                             f"{limit >> 20} MB unsent; dropping the oldest")
@@ -632,10 +630,9 @@ class Exporter:
             if entry.spooled is None:
                 with self._lock:
                     fits = self._make_room(entry.size)
-                    if not fits:   # larger than the whole spool: it cannot be kept
-                        self._unacked.pop(entry.key, None)
-                        self._forget(entry)
-                        self.dropped += entry.spans
+                    if not fits:   # larger than the whole spool: it cannot be kept (unless acked meanwhile)
+                        if not entry.gone:
+                            self._forget(entry, dropped=True)
                         continue
                 try:
                     spooled = self._spool.write(data, entry.seq, entry.spans)
@@ -665,9 +662,7 @@ class Exporter:
             if self._memory_bytes <= limit or entry is newest:
                 return
             if entry.data is not None:
-                del self._unacked[entry.key]
-                self._forget(entry)
-                self.dropped += entry.spans
+                self._forget(entry, dropped=True)
 
     def _make_room(self, size: int) -> bool:
         """Under self._lock: drop the oldest spooled batches until `size` more bytes fit in the
@@ -686,15 +681,17 @@ class Exporter:
                 victims.append(entry)
                 excess -= entry.spooled.size
         for entry in victims:
-            del self._unacked[entry.key]
-            self._forget(entry)
-            self.dropped += entry.spans
+            self._forget(entry, dropped=True)
         self._warn_once("spool_full", f"crosstrace: spool {self._spool.root} is full "
                         f"({self._spool_max_mb} MB); dropping the oldest batches")
         return True
 
-    def _forget(self, entry: _Pending) -> None:
-        """Under self._lock: an entry out of _unacked (acked or given up)."""
+    def _forget(self, entry: _Pending, dropped: bool = False) -> None:
+        """Under self._lock: an entry out of _unacked (acked, let go, or given up: `dropped`
+        counts its spans), its memory and its file freed."""
+        self._unacked.pop(entry.key, None)
+        if dropped:
+            self.dropped += entry.spans
         entry.gone = True
         if entry.data is not None:
             entry.data = None
@@ -738,7 +735,6 @@ class Exporter:
                 entry = requests.acked(ack.seq)
                 with self._lock:
                     if entry is not None and not entry.gone:
-                        del self._unacked[entry.key]
                         self._forget(entry)
                     for reason, n in ack.rejected.items():
                         self.rejected[reason] += n
@@ -758,9 +754,7 @@ class Exporter:
                 entry = requests.acked(None)
                 with self._lock:
                     if entry is not None and not entry.gone:
-                        del self._unacked[entry.key]
-                        self._forget(entry)
-                        self.dropped += entry.spans
+                        self._forget(entry, dropped=True)
                     self._resolve_waiters()
                 log.error("crosstrace: a batch was refused (%s: %s); its spans are dropped",
                           code.name, err.details())
@@ -797,7 +791,6 @@ class Exporter:
         or dropped by the child that handed them over, which counted them."""
         for entry in entries:
             if not entry.gone and self._unacked.get(entry.key) is entry:
-                del self._unacked[entry.key]
                 self._forget(entry)
         self._resolve_waiters()
 
@@ -906,10 +899,11 @@ class _RequestStream:
     def __init__(self, missing):
         self._missing = missing   # called with a spooled batch whose file is gone
         self._items: collections.deque = collections.deque()
-        self._ready = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)       # a batch to send, or the stream closed
+        self._in_flight = threading.Condition(lock)   # a batch went out, or the stream closed or ended
         self._closed = False
         self._sent: collections.deque = collections.deque()
-        self._in_flight = threading.Condition(threading.Lock())   # a batch went out, or the stream closed or ended
         self._ended = False   # the call ended (refused, the collector gone): its status is to be read
 
     def append(self, entry: _Pending) -> None:
@@ -921,7 +915,6 @@ class _RequestStream:
         with self._ready:
             self._closed = True
             self._ready.notify()
-        with self._in_flight:
             self._in_flight.notify_all()
 
     def ended(self, call=None) -> None:
