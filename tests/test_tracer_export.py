@@ -74,6 +74,31 @@ def test_collector_restart_mid_run_delivers_everything_once(tmp_path):
     assert span_count(path) == 10000
 
 
+def test_a_failed_stream_is_opened_again_after_its_backoff_not_the_next_round(tmp_path):
+    """Export rounds are seconds apart where spans are few; a stream that failed with
+    batches unacked was retried only at the next round (a forked child's flush, whose
+    first connection gRPC closed on fork, timed out)."""
+    path = str(tmp_path / "store.db")
+    collector = CollectorProcess(path)
+    port = collector.port
+    provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="retry", export_interval_ms=60_000,
+                                         udp_clock=False, clock_probe_interval_s=3600)
+    tracer = provider.get_tracer("t")
+    try:
+        assert provider.force_flush(20_000)   # the stream is up
+        collector.kill()
+        with tracer.start_as_current_span("sent-into-a-dead-stream"):
+            pass
+        provider._exporter._wake.set()         # sent now, not at the next round a minute away
+        assert wait_until(lambda: provider._exporter._requests is None, 10)   # the stream failed
+        time.sleep(0.5)
+        collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")
+        assert wait_until(lambda: span_count(path) == 1, 15)   # backoff: 0.1, 0.2, ... 5 s at most
+    finally:
+        provider.shutdown(timeout_millis=2000)
+        collector.stop()
+
+
 def test_full_queue_drops_and_counts_and_the_report_shows_it(collector):
     out = run_python("""
         import crosstrace, time

@@ -189,6 +189,7 @@ class Exporter:
         self._requests = None
         self._backoff_until = 0.0
         self._backoff = 0.1
+        self._retry_at = None     # when a failed stream is opened again (_retry_now)
         self._warned: set[str] = set()
         self._parent = parent               # a forked child's, while it hands its batches over
         self._forked_at = 0.0               # monotonic time of this process's last fork (0: none yet)
@@ -393,7 +394,7 @@ class Exporter:
         while True:
             woken = self._wake.wait(self._wait_s(next_round))
             self._wake.clear()
-            if not woken and time.monotonic() < next_round:   # between rounds: handovers only
+            if not woken and time.monotonic() < next_round and not self._retry_now():   # handovers only
                 try:
                     self._poll_handovers(full=False)
                 except Exception as exc:
@@ -425,16 +426,28 @@ class Exporter:
                 return
 
     def _wait_s(self, next_round: float) -> float:
-        """Until the next round; shorter where handovers are polled: a parent's while it has
-        children that hand over (or forked lately), and a forked child's while a flush
-        waits for the parent to send. A process that forks only to exec polls 2 s."""
+        """Until the next round or a failed stream's retry; shorter where handovers are
+        polled: a parent's while it has children that hand over (or forked lately), and a
+        forked child's while a flush waits for the parent to send. A process that forks only
+        to exec polls 2 s."""
         wait = max(0.0, next_round - time.monotonic())
+        if self._retry_at is not None:
+            wait = min(wait, max(0.0, self._retry_at - time.monotonic()))
         if self._parent is not None:
             polls = bool(self._waiters)
         else:
             polls = self.takes_handovers() and (
                 self._children.has_children or time.monotonic() - self._forked_at < _AFTER_FORK_S)
         return min(wait, _HANDOVER_POLL_S) if polls else wait
+
+    def _retry_now(self) -> bool:
+        """Whether a stream that failed is due to be opened again (once per failure): at the
+        end of its backoff, not at the next round, which may be seconds away."""
+        with self._lock:
+            due = self._retry_at is not None and time.monotonic() >= self._retry_at
+            if due:
+                self._retry_at = None
+            return due
 
     def _poll_handovers(self, full: bool = True) -> None:
         """`full`: in a round; between rounds a parent looks only where a child told it of
@@ -776,7 +789,7 @@ class Exporter:
             with self._lock:
                 if self._requests is requests:
                     self._requests = None
-                    self._backoff_until = time.monotonic() + self._backoff
+                    self._backoff_until = self._retry_at = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, 5.0)
             self._acked.set()
             self._wake.set()
