@@ -96,13 +96,13 @@ def check_samples(samples, pairs: set) -> None:
 
 
 def check_sample_counts(samples, calls: dict) -> None:
-    """As many samples per (node, peer) as calls gave, but RPC_SAMPLES_PER_PEER a batch at
-    most (the calls of a test go in one batch, or two where an export round comes between)."""
+    """As many samples per (node, peer) as calls gave, but RPC_SAMPLES_PER_PEER a batch and
+    second at most (the calls of a test go in one, or cross a second or an export round)."""
     from crosstrace.tracer.clock_probe import RPC_SAMPLES_PER_PEER
 
     counts = collections.Counter((node, peer) for node, _, peer, *_ in samples)
     for pair, n in calls.items():
-        assert min(n, RPC_SAMPLES_PER_PEER) <= counts[pair] <= min(n, 2 * RPC_SAMPLES_PER_PEER), (pair, counts)
+        assert min(n, RPC_SAMPLES_PER_PEER) <= counts[pair] <= min(n, 3 * RPC_SAMPLES_PER_PEER), (pair, counts)
 
 
 def check_statuses(spans) -> None:
@@ -531,7 +531,8 @@ def test_a_channel_asks_for_one_clock_sample_per_interval(collector):
 def test_a_batch_carries_the_fastest_rpc_samples_of_each_peer(collector):
     """A busy channel samples one call every 10 ms: 8.6M rows a day in the store, which a
     day's report had to read, while the fit keeps the fastest exchanges of a window. A batch
-    now carries the RPC_SAMPLES_PER_PEER of least delay, of those its calls gave."""
+    now carries the RPC_SAMPLES_PER_PEER of least delay, of those its calls gave in each
+    second (the calls here may cross a second)."""
     from crosstrace.tracer.clock_probe import RPC_SAMPLES_PER_PEER
 
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="busy", udp_clock=False,
@@ -543,13 +544,17 @@ def test_a_batch_carries_the_fastest_rpc_samples_of_each_peer(collector):
         trailers = [call.trailing_metadata() for _, call in (echo.with_call(b"x", timeout=10) for _ in range(50))]
     assert all(any(k == ct_grpc.CLOCK_KEY for k, _ in t) for t in trailers)   # every call answered
     raw = [sample for sample in provider._queue.samples if type(sample) is tuple]   # not the probes' samples
-    delays = sorted((t4 - t1) - (int(trailer.split()[1]) - int(trailer.split()[0])) for t1, t4, trailer in raw)
+    per_second = collections.defaultdict(list)
+    for t1, t4, trailer in raw:
+        t2, t3 = map(int, trailer.split()[:2])
+        per_second[t1 // 10**9].append((t4 - t1) - (t3 - t2))
     assert provider.force_flush(20_000)
     provider.shutdown()
     _, samples = load(collector)
     rpc = [s for s in samples if s[1] == pb.RPC_PIGGYBACK]
-    assert len(rpc) == RPC_SAMPLES_PER_PEER
-    assert sorted((t4 - t1) - (t3 - t2) for _, _, _, t1, t2, t3, t4, *_ in rpc) == delays[:RPC_SAMPLES_PER_PEER]
+    fastest = sorted(d for delays in per_second.values() for d in sorted(delays)[:RPC_SAMPLES_PER_PEER])
+    assert len(rpc) == len(fastest) < len(raw)
+    assert sorted((t4 - t1) - (t3 - t2) for _, _, _, t1, t2, t3, t4, *_ in rpc) == fastest
 
 
 def test_a_dropped_stream_is_cancelled_and_its_span_ends(collector):

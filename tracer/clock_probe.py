@@ -134,9 +134,10 @@ class ClockProber:
         return answered, clock
 
 
-# RPC clock samples a batch (about a second) carries per peer: those of least delay, which
-# are what the fit keeps of a window anyway. A busy channel samples one call every 10 ms:
-# 8.6M rows a day in the store, 6 GB for a day's report to read.
+# RPC clock samples a batch carries per peer and second: those of least delay, which are
+# what the fit keeps of a window anyway. A busy channel samples one call every 10 ms:
+# 8.6M rows a day in the store, 6 GB for a day's report to read. Per second, not per
+# batch: batches go every few seconds where spans are few.
 RPC_SAMPLES_PER_PEER = 4
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -144,8 +145,8 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 def add_piggyback_samples(samples, raw: list) -> None:
     """Add RPCs' clock trailers ("t2 t3 node", tracer/instrument/grpc.py), each with the
     client's send and receive times, to a batch's `samples` as ClockSamples (made in place: a
-    copy of a separate message costs as much again): per peer, the RPC_SAMPLES_PER_PEER of
-    least delay. A malformed trailer gives a debug line."""
+    copy of a separate message costs as much again): per peer and second of the client's
+    clock, the RPC_SAMPLES_PER_PEER of least delay. A malformed trailer gives a debug line."""
     by_peer: dict = {}
     for t1, t4, trailer in raw:
         try:
@@ -156,8 +157,8 @@ def add_piggyback_samples(samples, raw: list) -> None:
         except (ValueError, AttributeError, TypeError):
             log.debug("crosstrace: ignoring a malformed clock trailer %r", trailer)
             continue
-        by_peer.setdefault(node, []).append(((t4 - t1) - (t3 - t2), t1, t2, t3, t4))
-    for node, found in by_peer.items():
+        by_peer.setdefault((node, t1 // 1_000_000_000), []).append(((t4 - t1) - (t3 - t2), t1, t2, t3, t4))
+    for (node, _), found in by_peer.items():
         peer = unquote(node)
         for _, t1, t2, t3, t4 in heapq.nsmallest(RPC_SAMPLES_PER_PEER, found):
             try:   # nothing a server sent may fail the batch, and its spans with it
