@@ -29,8 +29,10 @@ costs, to add to its ratio (an upper bound: a part of it is already inside the s
 The collector runs on the same two cores here, unlike a real job.
 
 The ranks' CPU time per step (all four, every thread, per block, paired per round) is
-printed too: waiting for the scheduler does not count in it, so it resolves what tracing
-costs where wall time on two cores cannot, though it is not the step time the targets name.
+printed too: waiting for the scheduler does not count in it, so it spreads less than wall
+time here (still by a few percent), though it is not the step time the targets name. On
+two cores, four ranks' added CPU time delays one another: what a rank adds alone counts
+up to twice in the 4-rank step here, and once on a machine with a core per rank.
 
     python bench/ddp_overhead.py [--rounds R] [--steps S] [--hidden H] [--export-steps N]
 """
