@@ -229,8 +229,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per mode per round")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width (3 layers: ~3 h^2 parameters)")
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--export-steps", type=int, default=80, help="steps per mode run on end for the export's "
-                        "share (80: about 5 s at 4 ranks)")
+    parser.add_argument("--export-steps", type=int, default=400, help="steps per mode run on end for the export's "
+                        "share (400: about 25 s at 4 ranks, five export rounds and two clock-probe bursts)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
