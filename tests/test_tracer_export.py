@@ -99,6 +99,72 @@ def test_a_failed_stream_is_opened_again_after_its_backoff_not_the_next_round(tm
         collector.stop()
 
 
+def test_acks_of_no_batch_sent_do_not_reset_the_backoff():
+    """A server gone wrong that acks a batch it was never sent and then fails the stream:
+    that ack reset the backoff, and the stream was opened again ten times a second for good."""
+    import concurrent.futures
+
+    import grpc
+
+    streams = []
+
+    def export(requests, context):
+        streams.append(time.monotonic())
+        for _ in requests:
+            yield pb.ExportAck(seq=999_999)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "down")
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("crosstrace.v1.Collector", {
+        "Export": grpc.stream_stream_rpc_method_handler(export, request_deserializer=None,
+                                                        response_serializer=pb.ExportAck.SerializeToString)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    provider = crosstrace.TracerProvider(endpoint=f"127.0.0.1:{port}", node_id="odd-acks", udp_clock=False,
+                                         clock_probe_interval_s=3600)
+    try:
+        with provider.get_tracer("t").start_as_current_span("never-acked"):
+            pass
+        assert not provider.force_flush(300)
+        time.sleep(3)
+        assert 2 <= len(streams) <= 8, len(streams)   # backoff 0.1, 0.2, 0.4, 0.8, 1.6 s: ~5; reset each time: ~30
+    finally:
+        provider.shutdown(timeout_millis=500)
+        server.stop(None)
+
+
+def test_a_forked_childs_flush_does_not_wait_for_the_parents_next_round(collector):
+    """Rounds are 5 s apart by default; the parent polled for its children's handovers
+    only from its next round on, and a child's flush waited for it (or timed out)."""
+    out = run_python("""
+        import os, time, crosstrace
+        p = crosstrace.init(udp_clock=False)
+        tracer = p.get_tracer("t")
+        with tracer.start_as_current_span("parent"):
+            pass
+        assert p.force_flush(10000)
+        time.sleep(0.5)                 # the parent's thread now waits for a round 5 s away
+        pid = os.fork()
+        if pid == 0:
+            took = []
+            for pause in (0.5, 2.5):      # soon after the fork, and after the parent's polls right after it
+                time.sleep(pause)
+                with tracer.start_as_current_span("child"):
+                    pass
+                t = time.monotonic()
+                assert p.force_flush(4000)
+                took.append(time.monotonic() - t)
+            print(" ".join(f"{s:.2f}" for s in took), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(status, p.shutdown())
+    """, env=tracer_env(collector, "forker"), timeout=60)
+    assert out.stdout.split()[-2:] == ["0", "True"], out.stdout + out.stderr   # the child's flushes: True
+    took = [float(s) for s in out.stdout.split()[:2]]
+    assert max(took) < 1.5, took
+    assert wait_until(lambda: span_count(collector.store) == 3, 10)
+
+
 def test_full_queue_drops_and_counts_and_the_report_shows_it(collector):
     out = run_python("""
         import crosstrace, time

@@ -53,6 +53,7 @@ _HANDOVER_S = 0.5      # of shutdown's time, kept for the exporter thread to han
 _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep the GIL busy slow it
 _HANDOVER_POLL_S = 0.05   # how often batches handed over by forked children are looked for, and their acks
 _AFTER_FORK_S = 2.0       # a parent polls so long after a fork even where no child has handed over yet
+_HANDOVER_LOOK_S = 1.0    # and then looks (one stat) this often: a child that traces later is heard from soon
 
 
 class ExportQueue:
@@ -345,6 +346,13 @@ class Exporter:
             log.warning("crosstrace: forked children cannot hand their spans over to this process (%s); "
                         "each exports them itself", exc)
 
+    def forked(self) -> None:
+        """In the parent, after a fork: the thread begins looking for the child's handovers
+        now, not when its wait ends (up to an export interval away), so a child's flush
+        does not wait for the parent's next round."""
+        if self._forked_at and not self._stopping:
+            self._wake.set()
+
     def restart_after_fork(self) -> "Exporter":
         """In a forked child (a DataLoader worker): a new session and thread, which hand its
         batches over to the parent (or the parent's parent: whichever process sends). The
@@ -394,8 +402,10 @@ class Exporter:
         while True:
             woken = self._wake.wait(self._wait_s(next_round))
             self._wake.clear()
-            if not woken and time.monotonic() < next_round and not self._retry_now():   # handovers only
+            if not woken and time.monotonic() < next_round:   # between rounds: handovers, a failed stream's retry
                 try:
+                    if self._retry_now() and self._unacked:
+                        self._ensure_stream()   # resends the unacked batches; what is queued waits for its round
                     self._poll_handovers(full=False)
                 except Exception as exc:
                     self._warn_once("export", f"crosstrace: export error: {exc!r}")
@@ -429,16 +439,16 @@ class Exporter:
         """Until the next round or a failed stream's retry; shorter where handovers are
         polled: a parent's while it has children that hand over (or forked lately), and a
         forked child's while a flush waits for the parent to send. A process that forks only
-        to exec polls 2 s."""
+        to exec polls 2 s, then looks once a second."""
         wait = max(0.0, next_round - time.monotonic())
         if self._retry_at is not None:
             wait = min(wait, max(0.0, self._retry_at - time.monotonic()))
         if self._parent is not None:
-            polls = bool(self._waiters)
-        else:
-            polls = self.takes_handovers() and (
-                self._children.has_children or time.monotonic() - self._forked_at < _AFTER_FORK_S)
-        return min(wait, _HANDOVER_POLL_S) if polls else wait
+            return min(wait, _HANDOVER_POLL_S) if self._waiters else wait
+        if not self.takes_handovers():
+            return wait
+        polls = self._children.has_children or time.monotonic() - self._forked_at < _AFTER_FORK_S
+        return min(wait, _HANDOVER_POLL_S if polls else _HANDOVER_LOOK_S)
 
     def _retry_now(self) -> bool:
         """Whether a stream that failed is due to be opened again (once per failure): at the
@@ -756,7 +766,8 @@ class Exporter:
                 self._acked.set()
                 if ack.rejected:
                     self._warn_once("rejected", f"crosstrace: the collector rejected spans: {dict(ack.rejected)}")
-                self._backoff = 0.1
+                if entry is not None:   # (an ack of no batch of ours, from a server gone wrong, is no progress)
+                    self._backoff = 0.1
         except grpc.RpcError as err:
             code = err.code()
             refused = code == grpc.StatusCode.INVALID_ARGUMENT or (

@@ -492,13 +492,19 @@ def _before_fork() -> None:
             provider._exporter.before_fork()
 
 
+def _after_fork_in_parent() -> None:
+    for provider in list(_providers):
+        if provider._exporter is not None:
+            provider._exporter.forked()
+
+
 def _after_fork() -> None:
     for provider in list(_providers):
         provider._after_fork_in_child()
 
 
 atexit.register(_at_exit)
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork)
 
 
 def _exit_hook(provider: TracerProvider) -> None:
