@@ -89,7 +89,7 @@ def test_a_failed_stream_is_opened_again_after_its_backoff_not_the_next_round(tm
         collector.kill()
         with tracer.start_as_current_span("sent-into-a-dead-stream"):
             pass
-        provider._exporter._wake.set()         # sent now, not at the next round a minute away
+        assert not provider.force_flush(300)  # sent now, not at the next round a minute away
         assert wait_until(lambda: provider._exporter._requests is None, 10)   # the stream failed
         time.sleep(0.5)
         collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")

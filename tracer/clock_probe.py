@@ -147,7 +147,7 @@ def add_piggyback_samples(samples, raw: list) -> None:
     client's send and receive times, to a batch's `samples` as ClockSamples (made in place: a
     copy of a separate message costs as much again): per peer and second of the client's
     clock, the RPC_SAMPLES_PER_PEER of least delay. A malformed trailer gives a debug line."""
-    by_peer: dict = {}
+    by_peer_second: dict = {}
     for t1, t4, trailer in raw:
         try:
             t2, t3, node = trailer.split(" ", 2)
@@ -157,8 +157,8 @@ def add_piggyback_samples(samples, raw: list) -> None:
         except (ValueError, AttributeError, TypeError):
             log.debug("crosstrace: ignoring a malformed clock trailer %r", trailer)
             continue
-        by_peer.setdefault((node, t1 // 1_000_000_000), []).append(((t4 - t1) - (t3 - t2), t1, t2, t3, t4))
-    for (node, _), found in by_peer.items():
+        by_peer_second.setdefault((node, t1 // 1_000_000_000), []).append(((t4 - t1) - (t3 - t2), t1, t2, t3, t4))
+    for (node, _), found in by_peer_second.items():
         peer = unquote(node)
         for _, t1, t2, t3, t4 in heapq.nsmallest(RPC_SAMPLES_PER_PEER, found):
             try:   # nothing a server sent may fail the batch, and its spans with it

@@ -188,9 +188,8 @@ class Exporter:
         self._sent_dropped = 0 if forked else -1   # -1: a first batch at once, which says who this is
         self._channel = None
         self._requests = None
-        self._backoff_until = 0.0
         self._backoff = 0.1
-        self._retry_at = None     # when a failed stream is opened again (_retry_now)
+        self._retry_at = None     # a failed stream's backoff: opened again no sooner, by the thread then (_retry_now)
         self._warned: set[str] = set()
         self._parent = parent               # a forked child's, while it hands its batches over
         self._forked_at = 0.0               # monotonic time of this process's last fork (0: none yet)
@@ -480,13 +479,15 @@ class Exporter:
         if not found:
             return
         with self._lock:
+            entries = []
             for item in found:
                 self._order += 1
-                key = ("child", item.path)
-                self._unacked[key] = _Pending(key, item.seq, self._order, item.spans, None, item)
+                entry = _Pending(("child", item.path), item.seq, self._order, item.spans, None, item)
+                self._unacked[entry.key] = entry
+                entries.append(entry)
             self._bound_children()
             requests = self._requests
-            entries = [self._unacked[key] for key in (("child", item.path) for item in found) if key in self._unacked]
+            entries = [entry for entry in entries if not entry.gone]   # (the bound's drops)
         if requests is None:
             self._ensure_stream()   # sends every unacked batch, these too (None while out of reach)
             return
@@ -727,7 +728,7 @@ class Exporter:
         always in a forked child (its parent sends)."""
         if self._requests is not None or self._parent is not None:
             return self._requests
-        if time.monotonic() < self._backoff_until:
+        if self._retry_at is not None and time.monotonic() < self._retry_at:
             return None
         export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
                                                    response_deserializer=pb.ExportAck.FromString)
@@ -800,7 +801,7 @@ class Exporter:
             with self._lock:
                 if self._requests is requests:
                     self._requests = None
-                    self._backoff_until = self._retry_at = time.monotonic() + self._backoff
+                    self._retry_at = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, 5.0)
             self._acked.set()
             self._wake.set()
