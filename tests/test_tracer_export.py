@@ -700,12 +700,17 @@ def test_clock_probes_never_hold_up_the_export(collector):
     """A probe waits for its answer, and while the traced program keeps the GIL busy each
     wait ends only at a GIL switch: a burst then takes about 150 ms. Probing on the
     exporter's thread held the export up that long, and a busy loop filled the queue: 52,494
-    of 600,000 spans were lost in the first second."""
+    of 600,000 spans were lost in the first second. The stream is opened first (one span,
+    flushed): opening it starts gRPC's threads, which under the busy loop took long enough,
+    once in about 50 runs, to fill this small queue before any probe ran."""
     out = run_python("""
         import time, crosstrace
         p = crosstrace.init(max_queue=32768, clock_probe_interval_s=0.05)
         t = p.get_tracer("t")
-        n, end = 0, time.monotonic() + 0.7
+        with t.start_as_current_span("first"):
+            pass
+        assert p.force_flush(30000)
+        n, end = 1, time.monotonic() + 0.7
         while time.monotonic() < end:
             for _ in range(1000):
                 with t.start_as_current_span("busy"):
