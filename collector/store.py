@@ -91,7 +91,7 @@ class WriteResult:
     resent: bool = False   # a batch stored before (its session and seq): its rejects were counted then
 
 
-def _take_writer_lock(path: str):
+def take_writer_lock(path: str):
     """One writer per store: two collectors on one store each kept their own window of
     recent spans, and stored a span that came to both twice (and two creating a store at
     once failed on SQLite's lock). The lock is an flock on `<store>.lock` (of the store's
@@ -179,7 +179,7 @@ class Store:
                                       isolation_level=None)
             self._check_kind()
         else:
-            self._writer_lock = _take_writer_lock(self.path)
+            self._writer_lock = take_writer_lock(self.path)
             self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._check_kind()
             # Large pages for a store of large segment blobs: a 660 KB segment commits in 1.2 ms

@@ -15,6 +15,10 @@ _LISTENING = re.compile(r"listening on (\S+),")
 CHILD_FLAGS = ("-P",)
 
 
+class CollectorDidNotStart(RuntimeError):
+    """The collector child exited before it listened; the message holds what it said."""
+
+
 class CollectorProcess:
     """`crosstrace collector` as a child process; `address` is where tracers connect."""
 
@@ -42,7 +46,7 @@ class CollectorProcess:
         finally:
             timer.cancel()
         err = self.proc.stderr.read()
-        raise RuntimeError(f"collector did not start (exit {self.proc.poll()}): {err.strip()}")
+        raise CollectorDidNotStart(f"collector did not start (exit {self.proc.poll()}): {err.strip()}")
 
     def _drain(self) -> None:
         for line in self.proc.stderr:

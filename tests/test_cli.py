@@ -450,3 +450,16 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_analysis(rpc_stor
         result = crosstrace(*args, "--store", rpc_store)
         assert one_line_error(result, "cannot write", *words), result.stderr
         assert "loading spans" not in result.stderr                  # refused before the analysis
+
+
+def test_a_demo_leaves_a_store_that_a_collector_is_writing_alone(three_traces):
+    """The demo replaces its --out folder's store: it once deleted a running collector's
+    store (its spans gone, the collector writing to a removed file), then failed on its lock
+    with a traceback."""
+    out = os.path.dirname(three_traces)
+    result = crosstrace("demo", "--out", out, "--workloads", "rpc", "--requests", "1", timeout=120)
+    assert one_line_error(result, "in use by another collector", "--out"), result.stderr
+    assert "Traceback" not in result.stderr
+    report = crosstrace("report", "--store", three_traces, "--json", "-")
+    assert report.returncode == 0, report.stderr
+    assert len(json.loads(report.stdout)["traces"]) == len(TRACES)

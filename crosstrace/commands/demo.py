@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ..collector.views import terminal
 from ..demo import WORKLOADS
+from ..launch import CollectorDidNotStart
 from .report import positive
 
 
@@ -15,7 +16,7 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="run a traced multi-process system here and print its report",
                        description="Start a collector and traced worker processes with different simulated "
                                    "clocks on this machine, then analyse what they recorded.")
-    p.add_argument("--out", default="crosstrace-demo", help="output folder (default ./%(default)s)")
+    p.add_argument("--out", default="crosstrace-demo", help="output folder; each run replaces its store and files (default ./%(default)s)")
     p.add_argument("--requests", type=positive, default=20, help="requests in the RPC workload (default %(default)s)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), type=_workloads,
                    help="comma-separated, from: " + "; ".join(f"{name} ({what})" for name, (_, _, what)
@@ -46,6 +47,9 @@ def run(args) -> int:
         signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     try:
         report = run_demo(args.out, requests=args.requests, workloads=args.workloads, say=say)
+    except CollectorDidNotStart as exc:
+        print(f"crosstrace: error: {exc}", file=sys.stderr)
+        return 2
     except (KeyboardInterrupt, SystemExit):
         say("interrupted; the workers and the collector are stopped")
         raise

@@ -39,9 +39,7 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
 
     os.makedirs(out_dir, exist_ok=True)
     store = os.path.join(out_dir, "store.db")
-    for suffix in ("", "-wal", "-shm"):
-        if os.path.exists(store + suffix):
-            os.remove(store + suffix)
+    _replace_store(store)
     injected, skipped = {}, {}
     options = {"rpc": {"requests": requests}}
     say(f"starting a collector (store {store})")
@@ -72,6 +70,23 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
     perfetto.write(files["perfetto"], analysed, attributed)
     report["demo"]["files"] = files
     return report
+
+
+def _replace_store(store: str) -> None:
+    """Remove an earlier run's store, unless a collector is writing it (ValueError): the
+    demo once deleted a live collector's store under it, and then failed on its lock."""
+    from ..collector.store import take_writer_lock
+
+    try:
+        lock = take_writer_lock(store)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: stop that collector, or give the demo another --out") from None
+    try:
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(store + suffix):
+                os.remove(store + suffix)
+    finally:
+        lock.close()
 
 
 def injected_offset_at(clock: dict, epoch_ns: int, local_ns: int) -> float:
