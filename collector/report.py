@@ -211,7 +211,10 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
     single waits. The straggler is the node whose late entries made others wait longest (its
     delay cost) less the time it waited itself: in a chain (a pipeline, a ring) a rank held
     up by a slow one holds up the next one in turn, and its own cost is passed on to it;
-    the rank that waited for nobody is where the delay began."""
+    the rank that waited for nobody is where the delay began. Where every rank waited at
+    least as long as it held others up, no rank is named: the stages of a pipeline wait for
+    each other by its schedule (its fill and drain, counted as bubble), and naming the one
+    a few percent ahead showed a stage waiting in irecv as the straggler."""
     w, t, m = at.waits, labels.t, at.matches
     delay = _delay_costs(at.dag, t, len(out), len(labels.nodes))
     waited = np.zeros_like(delay)
@@ -227,7 +230,10 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
         cost = delay[tr]
         if not cost.any():
             continue
-        worst = int(np.argmax(np.where(cost > 0, cost - waited[tr], np.iinfo(np.int64).min)))
+        net = np.where(cost > 0, cost - waited[tr], np.iinfo(np.int64).min)
+        worst = int(np.argmax(net))
+        if net[worst] <= 0 or not (late_node == worst).any():
+            continue   # every rank waited as long as it held others up: a pipeline's fill and drain
         own = sel[late_node == worst][0]     # its costliest wait
         waits = []
         for i in sel[:top].tolist():

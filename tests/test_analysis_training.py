@@ -73,6 +73,7 @@ finish()
 
 PIPELINE = COMMON + """
 F_S, B_S, M = float(sys.argv[4]), float(sys.argv[5]), 4
+SLOW_STAGE, SLOW_S = int(sys.argv[6]), float(sys.argv[7])   # one stage's compute that much longer
 SCHEDULES = {  # per stage, in order: ("F" | "B", microbatch)
     "ScheduleGPipe": [[("F", i) for i in range(M)] + [("B", i) for i in range(M)]] * 2,
     "Schedule1F1B": [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
@@ -107,7 +108,7 @@ for k, (name, actions) in enumerate(SCHEDULES.items()):
                     dist.irecv(buf, peer, tag=tag).wait()
             with tracer.start_as_current_span("forward" if action == "F" else "backward", kind=COMPUTE,
                                               attributes=pp):
-                time.sleep(F_S if action == "F" else B_S)
+                time.sleep((F_S if action == "F" else B_S) + (SLOW_S if rank == SLOW_STAGE else 0.0))
             if not needs_input:
                 wait_sends()
                 span = tracer.start_span("send", kind=SEND, attributes=p2p_attrs(rank, peer, tag, pp))
@@ -162,7 +163,7 @@ def test_straggler_is_named_and_others_wait(collector):
 
 
 def test_pipeline_bubble_matches_the_schedule(collector):
-    run_ranks(collector, PIPELINE, 2, (0.040, 0.040))
+    run_ranks(collector, PIPELINE, 2, (0.040, 0.040, -1, 0.0))
     report, _, _ = analyse_report(collector.store, quiet=True)
     traces = steps(report)
     assert [t["pipeline"]["schedule"] for t in traces] == ["ScheduleGPipe", "Schedule1F1B"]
@@ -177,3 +178,17 @@ def test_pipeline_bubble_matches_the_schedule(collector):
         assert trace["unmatched"].get("send", 0) == trace["unmatched"].get("recv", 0) == 0
         for node, per in trace["per_rank"].items():
             assert per["pipeline"] and per["attribution"]["compute"] >= 2 * m * 40 * MS
+        # Balanced stages wait for each other by the schedule alone: no straggler (the
+        # stage a few percent ahead was named, a receive it waited in as its cause).
+        assert trace["straggler"] is None, trace["straggler"]
+
+
+def test_a_slow_pipeline_stage_is_the_straggler(collector):
+    """Stage 1's compute takes 25 ms more per action: stage 0 waits for its activations'
+    receipt and its gradients; stage 1 waits only through the fill."""
+    run_ranks(collector, PIPELINE, 2, (0.030, 0.030, 1, 0.025))
+    report, _, _ = analyse_report(collector.store, quiet=True)
+    for trace in steps(report):
+        s = trace["straggler"]
+        assert s is not None and (s["node"], s["rank"]) == ("trainer/rank1", 1), s
+        assert s["span"] in ("forward", "backward"), s
