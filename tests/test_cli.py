@@ -101,6 +101,20 @@ def test_export_jsonl_writes_every_span_on_the_aligned_timeline(demo, tmp_path):
             assert client["start_ns"] - slack <= r["start_ns"] and r["end_ns"] <= client["end_ns"] + slack
 
 
+@pytest.mark.parametrize("command", [("export", "--jsonl", "-"), ("report",)])
+def test_output_piped_into_a_reader_that_stops_ends_quietly(demo, command):
+    """`crosstrace export --jsonl - | head` printed `error: [Errno 32] Broken pipe` and exited
+    2; a terminal report so cut exited 1. Now as a program that SIGPIPE ends: 141, no message."""
+    out, _ = demo
+    proc = subprocess.Popen([sys.executable, "-m", "crosstrace", command[0], "--store", str(out / "store.db"),
+                             *command[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(100)
+    proc.stdout.close()   # more than a pipe holds is still to come (740 spans)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert "error" not in err.decode() and "Traceback" not in err.decode()
+
+
 def test_failed_spans_show_their_status_and_exception_in_every_view(collector, tmp_path):
     """A span that raised: its ERROR status, message and exception event (at an aligned time
     inside the span, from a node whose clock is 3 s off) in the JSONL, the Perfetto args,
@@ -144,6 +158,12 @@ def test_help_answers_and_errors_are_clear(tmp_path):
     assert result.returncode == 0 and "demo" in result.stdout and "collector" in result.stdout
     result = crosstrace("report", "--store", str(tmp_path / "missing.db"))
     assert result.returncode == 2 and "no crosstrace store at" in result.stderr
+    # A file's error names the file, without Python's errno ("[Errno 2] ...").
+    result = crosstrace("budget", "check", "--store", str(tmp_path / "missing.db"), "--budget", "nosuch.toml")
+    assert one_line_error(result, "nosuch.toml: No such file or directory") and "Errno" not in result.stderr
+    (tmp_path / "a-file").write_text("")
+    result = crosstrace("demo", "--out", str(tmp_path / "a-file"))
+    assert one_line_error(result, "a-file is a file; give --out a folder"), result.stderr
 
 
 def test_collector_cli_stops_cleanly_on_sigterm(collector):

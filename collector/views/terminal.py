@@ -18,7 +18,15 @@ def wide_console() -> Console:
     """rich's console, 200 columns wide where output goes to a file or a pipe (rich takes 80
     there, and cut the report's tables), unless COLUMNS says otherwise."""
     piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(width=200 if piped else None)
+    return _Console(width=200 if piped else None)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A reader that stopped (`| head`): raised for the command line to end as any
+        command does there (rich exits 1 on its own)."""
+        self.quiet = True
+        raise BrokenPipeError
 
 
 def fmt_ns(ns) -> str:

@@ -37,6 +37,8 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
     from ..collector.views import html, perfetto
     from ..commands.report import analyse_report
 
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"the output folder {out_dir} is a file; give --out a folder")
     os.makedirs(out_dir, exist_ok=True)
     store = os.path.join(out_dir, "store.db")
     _replace_store(store)
