@@ -114,3 +114,6 @@ def test_report_command_writes_the_page(browser, rpc_store, tmp_path):
     # The traces of one kind, summarised: every critical-path segment at p50/p95/p99.
     segments = browser.find_elements("css selector", "table.kind tr")
     assert len(segments) >= 3 and "(network.uplink)" in browser.find_element("css selector", "table.kind").text
+    # Each node's recovered clock, as the terminal report shows them.
+    clocks = browser.find_element("xpath", "//h2[starts-with(., 'clocks')]/following-sibling::table[1]").text
+    assert all(node in clocks for node in ("frontend", "gateway", "model")) and "ppm" in clocks

@@ -15,7 +15,7 @@ import numpy as np
 from ...proto.semconv import Kind, Status
 from .. import attribution
 from ..wording import counted
-from .terminal import errors_line, fmt_ns, largest_segments, slowest_first
+from .terminal import clocks_to_show, errors_line, fmt_ns, largest_segments, slowest_first
 
 NAMES = attribution.CATEGORIES + ("remote",)
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
@@ -187,11 +187,34 @@ def _bars_table(headers: tuple[str, ...], rows: list[tuple[list[str], dict, int]
 
 def _trace_bars(traces: list[dict], limit: int = 40) -> str:
     slowest = slowest_first(traces)[:limit]
-    return _bars_table(("trace", "name", "duration", "errors", "critical path by category"), [
+    shown = f" (the {len(slowest)} slowest of {len(traces):,})" if len(slowest) < len(traces) else ""
+    return f"<h2>traces: where the critical path goes{shown}</h2>" + _bars_table(("trace", "name", "duration", "errors", "critical path by category"), [
         ([f'<td><code>{tr["trace_id"][:16]}</code></td>', f'<td>{html.escape(tr["name"])}</td>',
           f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>',
           f'<td class="num{" error" if tr["errors"] else ""}">{tr["errors"]}</td>'], tr, tr["duration_ns"])
         for tr in slowest])
+
+
+def _clocks(report: dict) -> str:
+    """Each node's recovered clock (the flagged and least certain first, where there are
+    many), and the spans that tracers dropped or the collector rejected."""
+    clocks, out = report.get("clocks", {}), ""
+    if clocks:
+        nodes = clocks_to_show(clocks)
+        rows = "".join(
+            f'<tr><td>{html.escape(node)}</td><td class="num">{fmt_ns(c["offset_ns"])}</td>'
+            f'<td class="num">{c["drift_ppm"]:+.3f} ppm</td><td class="num">{fmt_ns(c["error_bound_ns"])}</td>'
+            f'<td class="num">{c["samples"]}</td><td>{html.escape(", ".join(c["flags"])) or "-"}</td></tr>'
+            for node, c in ((node, clocks[node]) for node in nodes))
+        out = ("<h2>clocks (offset = node clock - collector clock)</h2><table><tr><th>node</th><th>offset</th>"
+               f"<th>drift</th><th>error bound</th><th>samples</th><th>flags</th></tr>{rows}</table>")
+        if len(nodes) < len(clocks):
+            out += f"<p>... and {len(clocks) - len(nodes):,} more nodes: <code>crosstrace clocks</code></p>"
+    lost = [(f"dropped by {node}", n) for node, n in report.get("dropped_spans", {}).items() if n]
+    lost += [(f"rejected by the collector ({reason})", n) for reason, n in report.get("rejected_spans", {}).items() if n]
+    if lost:
+        out += '<p class="error">spans lost: ' + ", ".join(f"{html.escape(what)}: {n:,}" for what, n in lost) + "</p>"
+    return out
 
 
 def _rank_bars(trace: dict) -> str:
@@ -253,9 +276,10 @@ def render(report: dict, analysed, attributed) -> str:
         if typical is not slowest:
             body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed, kinds,
                                        pieces))
-        body += ["<h2>traces: where the critical path goes</h2>", _trace_bars(traces)]
+        body.append(_trace_bars(traces))
         if report.get("summary"):
             body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"])]
+    body.append(_clocks(report))
     unmatched = {k: v for k, v in report.get("unmatched", {}).items() if v}
     if unmatched:
         body.append("<p>Spans whose partner is missing: "

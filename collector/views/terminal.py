@@ -102,16 +102,23 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
 CLOCK_ROWS, NODES_LISTED = 16, 8
 
 
-def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS, detail: bool = False) -> None:
-    """Every node's clock where they fit in `rows` (None: all); else the flagged ones and
-    the widest error bounds first, and a line for the rest. `detail` adds the drift's bound
-    and the sources (`crosstrace clocks`)."""
+def clocks_to_show(clocks: dict, rows: int | None = CLOCK_ROWS) -> list[str]:
+    """Every node where they fit in `rows` (None: all); else the flagged ones and the widest
+    error bounds first."""
     nodes = list(clocks)
     if rows is not None and len(nodes) > rows:
         def need(node):   # an unknown bound (None) is the widest
             bound = clocks[node]["error_bound_ns"]
             return not clocks[node]["flags"], -(math.inf if bound is None else bound)
         nodes = sorted(nodes, key=need)[:rows]
+    return nodes
+
+
+def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS, detail: bool = False) -> None:
+    """Every node's clock where they fit in `rows` (None: all); else the flagged ones and
+    the widest error bounds first, and a line for the rest. `detail` adds the drift's bound
+    and the sources (`crosstrace clocks`)."""
+    nodes = clocks_to_show(clocks, rows)
     rest = len(clocks) - len(nodes)
     table = Table(title="clocks (offset = node clock - collector clock)"
                   + (f", {len(nodes)} of {len(clocks):,} nodes: flagged and widest error bounds first" if rest else ""),
