@@ -170,6 +170,7 @@ def test_listening_beyond_loopback_unprotected_warns(tmp_path, pki):
         assert wait_until(lambda: open_collector.stderr_lines, 10)
         warning = "".join(open_collector.stderr_lines)
     assert "beyond loopback, without TLS and tokens" in warning
+    assert f"listening on 0.0.0.0:{open_collector.port}," in warning   # the port it bound, not 0
     with tls_collector(tmp_path, pki) as guarded:
         pass
     assert not any("warning" in line for line in guarded.stderr_lines)

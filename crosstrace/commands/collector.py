@@ -62,7 +62,6 @@ def run_args(args) -> int:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     credentials = security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     tokens = security.load_tokens(args.tokens) if args.tokens else None
-    warning = security.exposure_warning(args.listen, credentials is not None, tokens is not None)
     upstream = None
     options = {}
     if args.forward_to:
@@ -75,7 +74,7 @@ def run_args(args) -> int:
         options = {"forward": Relay(upstream.cfg.node_id, upstream, clock), "now": relay_clock.now, "clock": clock}
     try:
         return run(args.listen, args.store, sync=args.sync, quiet=args.quiet, credentials=credentials,
-                   tokens=tokens, max_streams=args.max_streams, warning=warning, retain_ns=args.retain, **options)
+                   tokens=tokens, max_streams=args.max_streams, retain_ns=args.retain, **options)
     finally:
         if upstream is not None:
             upstream.shutdown(upstream.cfg.exit_flush_timeout_s)
@@ -98,10 +97,10 @@ def _upstream(args):
 
 
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
-        progress_interval_s: float = 10.0, warning: str | None = None, retain_ns: int | None = None,
-        **options) -> int:
+        progress_interval_s: float = 10.0, retain_ns: int | None = None, **options) -> int:
     """Serve until SIGTERM/SIGINT; `options` go to Collector (credentials, tokens, max_streams,
-    forward, now, clock). `warning` (about exposure) is printed once the server is up. With
+    forward, now, clock). A warning about exposure is printed once the server is up, with
+    the port it bound (--listen may ask for port 0). With
     `retain_ns`, what arrived longer ago is deleted as it ages (checked a few times per
     retention period, at most every 10 s)."""
     collector = Collector(store, listen, sync=sync, **options).start()
@@ -115,6 +114,8 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
     relay = options.get("forward")
     via = f", relaying to {relay.upstream.cfg.endpoint} as {relay.node_id}" if relay else ""
     try:
+        warning = security.exposure_warning(collector.address, options.get("credentials") is not None,
+                                            options.get("tokens") is not None)
         if warning:
             say(f"crosstrace collector: {warning}", sys.stderr)
         say(f"crosstrace collector listening on {collector.address}, store {store}{via}")

@@ -56,8 +56,8 @@ def run(args) -> int:
     terminal.render(report, console)
     truth, epoch = report["demo"]["injected_clocks"], report["demo"]["clock_epoch_ns"]
     table = Table(title="clock recovery, both at the same instant: injected (never sent) vs. recovered from "
-                        "clock samples", title_justify="left")
-    for col in ("node", "injected offset", "recovered", "injected drift", "recovered drift", "bound"):
+                        "clock samples; error = recovered - injected, within ± bound", title_justify="left")
+    for col in ("node", "injected offset", "recovered", "error", "bound", "injected drift", "recovered drift"):
         table.add_column(col, justify="left" if col == "node" else "right")
     for node, clock in truth.items():
         got = report["clocks"].get(node)
@@ -65,7 +65,8 @@ def run(args) -> int:
             continue
         injected = injected_offset_at(clock, epoch, got["at_local_ns"])
         table.add_row(node, terminal.fmt_ns(injected), terminal.fmt_ns(got["offset_ns"]),
-                      f"{clock['drift_ppm']:+.1f} ppm", _drift(got), terminal.fmt_ns(got["error_bound_ns"]))
+                      terminal.fmt_ns(got["offset_ns"] - injected), terminal.fmt_ns(got["error_bound_ns"]),
+                      f"{clock['drift_ppm']:+.1f} ppm", _drift(got))
     console.print(table)
     findings = Table(title="workloads: what was injected vs. what the analysis found", title_justify="left")
     for col in ("workload", "injected", "found"):
