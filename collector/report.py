@@ -329,8 +329,9 @@ def _where(t: SpanTable) -> list[str]:
 
 
 def segment_label(where: str, span: str | None, category: str) -> str:
-    """"cloud inference (compute)": where, which span, and what the time was."""
-    return " ".join(x for x in (where, span, f"({category})") if x)
+    """"cloud inference (compute)": where, which span (none: the path crossed a gap
+    between spans there), and what the time was."""
+    return " ".join(x for x in (where, span or "between spans", f"({category})") if x)
 
 
 def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dict]) -> dict:

@@ -527,4 +527,5 @@ def test_work_after_awaiting_other_tasks_waits_for_them():
 
 def test_segment_labels_read_without_a_role():
     assert segment_label("cloud", "infer", "compute") == "cloud infer (compute)"
-    assert segment_label("", None, "host.overhead") == "(host.overhead)"   # no leading space
+    assert segment_label("", "infer", "host.overhead") == "infer (host.overhead)"   # no leading space
+    assert segment_label("trainer", None, "bubble") == "trainer between spans (bubble)"   # read "trainer (bubble)"
