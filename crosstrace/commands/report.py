@@ -123,6 +123,8 @@ def run_export(args) -> int:
         raise ValueError("nothing to export: give --jsonl FILE, --perfetto FILE and/or --otlp ENDPOINT")
     if args.jsonl == args.perfetto == "-":
         raise ValueError("--jsonl and --perfetto cannot both go to stdout ('-')")
+    if args.otlp_header and not args.otlp:
+        raise ValueError("--otlp-header goes with --otlp ENDPOINT")
     headers = [_header(h) for h in args.otlp_header]
     check_writable(args.jsonl, args.perfetto)
     store = open_store(args.store, args.last)
