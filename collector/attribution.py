@@ -89,7 +89,7 @@ class Waits:
     trace: np.ndarray
     is_collective: np.ndarray   # bool: collective join, else point-to-point
     late_row: np.ndarray        # the span that entered late
-    cause_row: np.ndarray       # what its rank did before: the span before it on its thread (or parent), -1
+    cause_row: np.ndarray       # what its rank was busy with before (_busy_before), -1
     cost_ns: np.ndarray         # total wait it caused (Scalasca's delay cost)
     lateness_ns: np.ndarray     # how much later it entered than the partner before it
     waiting: np.ndarray         # participants that waited
@@ -475,9 +475,27 @@ def _per_rank(table: SpanTable, dag: Dag, kind, error, group, group_trace, group
     return per_rank
 
 
+_COMMUNICATION = (Kind.COLLECTIVE, Kind.SEND, Kind.RECV)
+
+
+def _busy_before(table: SpanTable, dag: Dag, rows: np.ndarray) -> np.ndarray:
+    """Per row, what its rank was busy with before it: the span that ended last before it
+    on its thread (else its parent), going back past transfers and collectives, which name
+    the rank's waiting, not its work (a late stage's send was named as the cause of its
+    lateness, and a receive it waited in)."""
+    before = np.where(dag.prev >= 0, dag.prev, dag.parent)
+    cause = before[rows]
+    for _ in range(len(before)):   # each step goes back in time: bounded all the same
+        back = np.flatnonzero(cause >= 0)
+        back = back[np.isin(table.kind[cause[back]], _COMMUNICATION)]
+        if not len(back):
+            break
+        cause[back] = before[cause[back]]
+    return cause
+
+
 def _waits(table: SpanTable, dag: Dag, start, end):
     """Who made whom wait: per collective join and per point-to-point pair."""
-    cause = np.where(dag.prev >= 0, dag.prev, dag.parent)
     members = np.flatnonzero(dag.join >= 0)
     j = dag.join[members]
     n_joins = len(dag.join_time)
@@ -505,7 +523,7 @@ def _waits(table: SpanTable, dag: Dag, start, end):
     keep = np.concatenate([join_wait > 0, np.ones(len(other), dtype=bool)])
     waits = Waits(
         trace=trace[keep], is_collective=np.r_[np.ones(n_joins, bool), np.zeros(len(other), bool)][keep],
-        late_row=late_row[keep], cause_row=cause[late_row][keep] if len(late_row) else late_row,
+        late_row=late_row[keep], cause_row=_busy_before(table, dag, late_row[keep]),
         cost_ns=np.rint(np.r_[join_wait, p2p_wait]).astype(np.int64)[keep],
         lateness_ns=np.r_[lateness, p2p_wait].astype(np.int64)[keep],
         waiting=np.r_[waiting, np.ones(len(other), np.int64)][keep],
