@@ -486,7 +486,8 @@ def test_a_child_of_a_killed_parent_not_yet_reaped_sends_itself(collector, tmp_p
     out = run_python(f"""
         import subprocess, sys, textwrap, time
         parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent({parent!r})])
-        time.sleep(2)          # a launcher that looks at its workers now and then
+        time.sleep(5)          # a launcher that looks at its workers now and then (the child's
+                               # run took over 1.5 s once, on a loaded machine)
         print(parent.wait(30))
         time.sleep(0.5)
     """, env={**tracer_env(collector, "zombie"), "TMPDIR": str(temp)}, timeout=60)
