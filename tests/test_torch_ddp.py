@@ -465,6 +465,55 @@ def test_a_bucket_completing_late_as_the_tracer_shuts_down_is_recorded(tmp_path)
     assert sorted(s["rank"] for s in buckets) == [0, 1]
 
 
+LATE_STAMP_WORKER = """
+import json, time
+import torch, torch.distributed as dist, torch.nn as nn
+from opentelemetry import trace
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crosstrace
+
+provider = crosstrace.init()
+dist.init_process_group("gloo")
+tracer = trace.get_tracer("test")
+
+def slow_callbacks(state, bucket):   # crosstrace's callback, which stamps the end, runs 0.1 s late
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+    future.add_done_callback(lambda _: time.sleep(0.1))
+    return future
+
+torch.manual_seed(0)
+model = crosstrace.instrument_ddp(DDP(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)), bucket_cap_mb=0.01),
+                                  hook=slow_callbacks)
+for k in range(2):
+    with crosstrace.step(k):
+        with tracer.start_as_current_span("backward"):
+            model(torch.randn(4, 32)).sum().backward()
+        time.sleep(0.01)
+time.sleep(0.5)
+print(json.dumps({"flushed": provider.force_flush(20000)}))
+"""
+
+
+def test_a_bucket_ends_within_the_backward_that_waited_for_it(tmp_path):
+    """DDP's backward returns once every bucket's future has completed, before the callbacks
+    that stamp their ends have run (they wait for the GIL on the backend thread): buckets
+    ended after their rank's backward, and after its step, as a fake transfer at the end
+    of the step's critical path."""
+    from crosstrace.launch import CollectorProcess
+
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        reports = run_ranks(LATE_STAMP_WORKER, 2, collector, job_id="late-stamps")
+        stored = spans(collector)
+    assert all(r["flushed"] for r in reports)
+    by_id = {s["span_id"]: s for s in stored}
+    buckets = [s for s in stored if s["name"] == "ddp.all_reduce"]
+    assert len(buckets) >= 2 * 2
+    for bucket in buckets:
+        backward = by_id[bucket["parent"]]
+        assert backward["name"] == "backward"
+        assert backward["start"] <= bucket["start"] < bucket["end"] <= backward["end"]
+
+
 FORK_WORKER = """
 import json, os, multiprocessing as mp
 import torch, torch.distributed as dist, torch.nn as nn

@@ -1082,9 +1082,12 @@ class BucketTracer:
                 bucket.future.value()
             except Exception as exc:
                 error = exc
+        end = bucket.end
+        if ours:
+            end = _completed_within(parent, issued, end)
         # `end` is on the tracing clock; a crosstrace span's end() takes epoch ns and maps them
         # back, so both conversions happen now: drift and wall-clock steps since cancel out
-        _end([span], error, time.time_ns() + (bucket.end - tracing.now()) if ours else bucket.end)
+        _end([span], error, time.time_ns() + (end - tracing.now()) if ours else end)
 
     def _ready(self, params, issued: int, backward_start: int, stats=None) -> int:
         """When the bucket's last gradient was accumulated. The reducer notes each one's time
@@ -1099,6 +1102,20 @@ class BucketTracer:
         except (AttributeError, RuntimeError, IndexError, TypeError, ValueError):
             return issued
         return min(backward_start + last, issued)
+
+
+def _completed_within(parent, issued: int, end: int) -> int:
+    """A bucket's end, no later than the end of the span it was issued in. The callback that
+    stamps it runs on the backend thread once the future has completed, and waits for the
+    GIL there (or behind a slow callback of a user's hook), while the reducer's wait
+    returned at completion: stamps came up to 4.7 ms after the rank's backward and step
+    had ended. Backward waits for every bucket, so a span open across it (the step, a
+    backward span) ended after the all-reduce did; one that ended before the bucket was
+    issued (a remote parent) bounds nothing."""
+    span = parent.get(_SPAN_KEY)
+    if isinstance(span, Span) and issued < span.end_ns < end:
+        return span.end_ns
+    return end
 
 
 class _InFlight:
