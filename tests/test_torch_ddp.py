@@ -426,23 +426,28 @@ def test_a_late_rank_is_waited_for_in_ddps_buffer_broadcast(tmp_path, mode):
         assert (t["straggler"]["node"], t["straggler"]["span"]) == ("rank1", "load"), t["straggler"]
 
 
-LATE_BUCKETS_WORKER = """
-import json, time
+SLOW_CALLBACKS = """
+import json, sys, time
 import torch, torch.distributed as dist, torch.nn as nn
+from opentelemetry import trace
 from torch.nn.parallel import DistributedDataParallel as DDP
 import crosstrace
 
 provider = crosstrace.init()
 dist.init_process_group("gloo")
+SLOW_S = float(sys.argv[1])
 
 def slow_callbacks(state, bucket):   # the all-reduce's future runs a slow callback before crosstrace's
     future = dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-    future.add_done_callback(lambda _: time.sleep(0.2))
+    future.add_done_callback(lambda _: time.sleep(SLOW_S))
     return future
 
 torch.manual_seed(0)
 model = crosstrace.instrument_ddp(DDP(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)), bucket_cap_mb=0.01),
                                   hook=slow_callbacks)
+"""
+
+LATE_BUCKETS_WORKER = SLOW_CALLBACKS + """
 with crosstrace.step(0):
     model(torch.randn(4, 32)).sum().backward()
 provider.shutdown()     # at once: the bucket's callbacks are still running
@@ -458,33 +463,16 @@ def test_a_bucket_completing_late_as_the_tracer_shuts_down_is_recorded(tmp_path)
     from crosstrace.launch import CollectorProcess
 
     with CollectorProcess(str(tmp_path / "store.db")) as collector:
-        reports = run_ranks(LATE_BUCKETS_WORKER, 2, collector, job_id="late-buckets")
+        reports = run_ranks(LATE_BUCKETS_WORKER, 2, collector, args=("0.2",), job_id="late-buckets")
         stored = spans(collector)
     assert [r["dropped"] for r in reports] == [0, 0], [r["stderr"][-2000:] for r in reports]
     buckets = [s for s in stored if s["name"] == "ddp.all_reduce"]
     assert sorted(s["rank"] for s in buckets) == [0, 1]
 
 
-LATE_STAMP_WORKER = """
-import json, time
-import torch, torch.distributed as dist, torch.nn as nn
-from opentelemetry import trace
-from torch.nn.parallel import DistributedDataParallel as DDP
-import crosstrace
-
-provider = crosstrace.init()
-dist.init_process_group("gloo")
+LATE_STAMP_WORKER = SLOW_CALLBACKS + """
 tracer = trace.get_tracer("test")
-
-def slow_callbacks(state, bucket):   # crosstrace's callback, which stamps the end, runs 0.1 s late
-    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-    future.add_done_callback(lambda _: time.sleep(0.1))
-    return future
-
-torch.manual_seed(0)
-model = crosstrace.instrument_ddp(DDP(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)), bucket_cap_mb=0.01),
-                                  hook=slow_callbacks)
-for k in range(2):
+for k in range(2):   # crosstrace's callback, which stamps each bucket's end, runs SLOW_S late
     with crosstrace.step(k):
         with tracer.start_as_current_span("backward"):
             model(torch.randn(4, 32)).sum().backward()
@@ -502,7 +490,7 @@ def test_a_bucket_ends_within_the_backward_that_waited_for_it(tmp_path):
     from crosstrace.launch import CollectorProcess
 
     with CollectorProcess(str(tmp_path / "store.db")) as collector:
-        reports = run_ranks(LATE_STAMP_WORKER, 2, collector, job_id="late-stamps")
+        reports = run_ranks(LATE_STAMP_WORKER, 2, collector, args=("0.1",), job_id="late-stamps")
         stored = spans(collector)
     assert all(r["flushed"] for r in reports)
     by_id = {s["span_id"]: s for s in stored}
