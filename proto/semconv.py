@@ -65,6 +65,9 @@ DDP_BUCKET = "ddp.bucket"
 DDP_PARAMS = "ddp.params"
 DDP_READY_NS = "ddp.ready_ns"
 DDP_HOOK = "ddp.hook"              # the user's own comm hook, when crosstrace wraps one
+# Attributes that hold a time on the clock of the span's node, as its start and end do:
+# exports that place spans on the aligned timeline place these with them.
+NODE_CLOCK_TIMES = (DDP_READY_NS,)
 
 # Pipeline parallel (torch.distributed.pipelining).
 PP_STAGE = "pp.stage"

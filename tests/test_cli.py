@@ -93,6 +93,12 @@ def test_export_jsonl_writes_every_span_on_the_aligned_timeline(demo, tmp_path):
                             "start_ns", "end_ns", "error_bound_ns", "attributes", "status", "status_message",
                             "events", "links"}
     by_id = {r["span_id"]: r for r in rows}
+    # A DDP bucket's ready time with it: after its parent began, before it was issued.
+    buckets = [r for r in rows if r["name"] == "ddp.all_reduce" and "ddp.ready_ns" in r["attributes"]]
+    assert buckets
+    for r in buckets:
+        slack = 2 * r["error_bound_ns"]
+        assert by_id[r["parent_span_id"]]["start_ns"] - slack <= r["attributes"]["ddp.ready_ns"] <= r["start_ns"] + slack
     # Aligned: every RPC server span lies inside its client span despite offsets of hundreds of ms.
     for r in rows:
         if r["kind"] == "RPC_SERVER":

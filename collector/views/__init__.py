@@ -1,7 +1,7 @@
 import contextlib
 import sys
 
-from ...proto.semconv import Status
+from ...proto.semconv import NODE_CLOCK_TIMES, Status
 
 STATUS_NAMES = {s.value: s.name for s in Status}
 
@@ -30,6 +30,17 @@ def outcome(t, al, row: int) -> dict:
                        for (name, _, attrs), when in zip(events, times)],
             "links": [{"trace_id": trace_hex, "span_id": span_hex, "attributes": attrs or {}}
                       for trace_hex, span_hex, attrs, *_ in entries(extra, "links", 3)]}
+
+
+def aligned_attributes(t, al, row: int) -> dict:
+    """A span's attributes, those that are times on its node's clock (NODE_CLOCK_TIMES) on
+    the aligned timeline, as its start and end are."""
+    attributes = t.attributes[row] or {}
+    times = [key for key in NODE_CLOCK_TIMES if type(attributes.get(key)) is int and -1 << 63 <= attributes[key] < 1 << 63]
+    if not times:
+        return attributes
+    aligned = al.to_reference(t.nodes[t.node[row]], [attributes[key] for key in times]).tolist()
+    return {**attributes, **dict(zip(times, aligned))}
 
 
 def entries(extra: dict, key: str, width: int) -> list:

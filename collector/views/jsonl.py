@@ -3,7 +3,7 @@ Beyond its times and attributes a span has its status (UNSET, OK, ERROR) and mes
 its events (exceptions among them, at aligned times) and its links."""
 from ...proto.semconv import Kind
 from ..columns import dumps
-from . import open_output, outcome
+from . import aligned_attributes, open_output, outcome
 
 
 def write(path: str, analysed) -> int:
@@ -23,7 +23,7 @@ def write(path: str, analysed) -> int:
                 "start_ns": int(al.start[i]),
                 "end_ns": int(al.end[i]),
                 "error_bound_ns": int(al.error[i]),
-                "attributes": t.attributes[i] or {},
+                "attributes": aligned_attributes(t, al, i),
                 **outcome(t, al, i),
             }) + b"\n")
     return len(t)

@@ -1,6 +1,7 @@
 """`crosstrace demo`: the main job, end to end on this machine."""
 import argparse
 import signal
+import statistics
 import sys
 
 from rich.markup import escape
@@ -98,20 +99,20 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
                              f"edge clock {e['edge_offset_ns'] / 1e6:+.0f} ms", found or "no edge requests"))
     if "ddp" in injected:
         d = injected["ddp"]
-        steps = [t for t in traces if t["name"] == "ddp-step" and t["straggler"]]
-        named = [t["straggler"]["node"] for t in steps]
+        steps = [t for t in traces if t["name"] == "ddp-step"]
+        named = [t["straggler"]["node"] for t in steps if t["straggler"]]
         top = max(set(named), key=named.count) if named else None
-        waits = sorted(t["per_rank"][n]["attribution"].get("collective.wait", 0) for t in steps
-                       for n in t["per_rank"] if n != top)
+        waits = [t["per_rank"][n]["attribution"].get("collective.wait", 0) for t in steps
+                 for n in t["per_rank"] if n != top]
         found = (f"straggler {top} in {named.count(top)} of {len(steps)} steps; the other ranks' "
-                 f"collective.wait median {terminal.fmt_ns(waits[len(waits) // 2])}" if top else "no straggler")
+                 f"collective.wait median {terminal.fmt_ns(statistics.median(waits))}" if top else "no straggler")
         rows.append(("ddp", f"{d['straggler_node']} sleeps {d['straggle_ms']} ms at the end of its {d['straggler_span']} "
                             "(before backward)", found))
     if "pipeline" in injected:
         p = injected["pipeline"]
-        fractions = sorted(t["pipeline"]["bubble_fraction"] for t in traces
-                           if t["name"] == "pipeline-step" and t.get("pipeline"))
-        found = f"bubble fraction median {fractions[len(fractions) // 2]:.2f}" if fractions else "no pipeline steps"
+        fractions = [t["pipeline"]["bubble_fraction"] for t in traces
+                     if t["name"] == "pipeline-step" and t.get("pipeline")]
+        found = f"bubble fraction median {statistics.median(fractions):.2f}" if fractions else "no pipeline steps"
         rows.append(("pipeline", f"{p['schedule']}, {p['stages']} stages, {p['microbatches']} microbatches: "
                                  f"ideal bubble {p['ideal_bubble_fraction']:.2f}", found))
     return rows
