@@ -183,8 +183,11 @@ def _label_path(dag: Dag, paths: Paths, kind: np.ndarray, pipeline_row: np.ndarr
     inside = (parent >= 0) & (dag.lane[np.maximum(parent, 0)] == dag.lane[dst_row[gap]])
     cat[gap] = np.where(inside, _SELF[kind[np.maximum(parent, 0)]], GAP)
     row[gap[inside]] = parent[inside]
+    # The lead-in, from the trace's first event to the path's, lies before the path's node
+    # entered this trace (it was in its previous step, say): not a pipeline rank's bubble,
+    # which lies within its step.
     lead = edge == NO_EDGE
-    cat[lead] = GAP
+    cat[lead] = C["host.overhead"]
     row[lead] = -1
     cat = _resolve(cat, pipeline_row[np.where(row >= 0, row, dst_row)])
     return _uncertain(cat, paths.end - paths.start, paths.error), row

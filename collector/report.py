@@ -337,9 +337,9 @@ def _where(t: SpanTable) -> list[str]:
 
 
 def segment_label(where: str, span: str | None, category: str) -> str:
-    """"cloud inference (compute)": where, which span (none: the path crossed a gap
-    between spans there), and what the time was."""
-    return " ".join(x for x in (where, span or "between spans", f"({category})") if x)
+    """"cloud inference (compute)": where, which span (none: the path crossed time outside
+    the node's spans there, between them or before its first), and what the time was."""
+    return " ".join(x for x in (where, span or "outside spans", f"({category})") if x)
 
 
 def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dict]) -> dict:

@@ -314,6 +314,25 @@ def test_pipeline_bubble_fraction_matches_the_schedule(p, m):
         assert ms(per["attribution"]) == {"compute": 2 * m, "bubble": 2 * (p - 1)}
 
 
+def test_a_pipeline_steps_lead_in_is_not_the_late_stages_bubble():
+    """Stage 1 enters the step at 0 and waits for activations; stage 0 enters at 10, still
+    in its previous step before. The path begins at stage 0's entry: the 10 ms before it
+    were counted as stage 0's bubble, time it was busy in another trace."""
+    s = Spans()
+    pp = {sc.PP_SCHEDULE: "ScheduleGPipe", sc.PP_NUM_STAGES: 2, sc.PP_NUM_MICROBATCHES: 1, sc.PP_STAGES_PER_RANK: 1}
+    first = s.add("step", Kind.INTERNAL, 10, 13, "stage0")
+    s.add("forward", Kind.COMPUTE, 10, 11, "stage0", first, **{sc.PP_STAGE: 0, sc.PP_MICROBATCH: 0, sc.PP_ACTION: "F", **pp})
+    s.add("send", Kind.SEND, 11, 12, "stage0", first, **p2p(0, 1, 0, **{sc.PP_STAGE: 0, **pp}))
+    second = s.add("step", Kind.INTERNAL, 0, 13, "stage1")
+    s.add("recv", Kind.RECV, 0, 12, "stage1", second, **p2p(0, 1, 0, **{sc.PP_STAGE: 1, **pp}))
+    s.add("forward", Kind.COMPUTE, 12, 13, "stage1", second, **{sc.PP_STAGE: 1, sc.PP_MICROBATCH: 0, sc.PP_ACTION: "F", **pp})
+    table, at, out = analyse(s.spans, {"stage0": 0, "stage1": 1})
+    check_tiles(at)
+    lead = out[0]["critical_path"][0]
+    assert (lead["node"], lead["span"], lead["category"], lead["duration_ns"]) == ("stage0", None, "host.overhead", 10 * MS)
+    assert out[0]["per_rank"]["stage1"]["attribution"]["bubble"] == 11 * MS   # its wait is a bubble still
+
+
 def test_clock_violation_is_clamped_and_reported():
     s = Spans()
     call = s.add("call", Kind.RPC_CLIENT, 10, 20, "a")
@@ -539,4 +558,4 @@ def test_work_after_awaiting_other_tasks_waits_for_them():
 def test_segment_labels_read_without_a_role():
     assert segment_label("cloud", "infer", "compute") == "cloud infer (compute)"
     assert segment_label("", "infer", "host.overhead") == "infer (host.overhead)"   # no leading space
-    assert segment_label("trainer", None, "bubble") == "trainer between spans (bubble)"   # read "trainer (bubble)"
+    assert segment_label("trainer", None, "bubble") == "trainer outside spans (bubble)"   # read "trainer (bubble)"

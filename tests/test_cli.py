@@ -59,13 +59,15 @@ def test_demo_runs_end_to_end_and_recovers_the_injected_clocks(demo):
 
 
 def test_demo_names_the_injected_straggler(demo):
-    out, _ = demo
+    out, result = demo
     report = json.loads((out / "report.json").read_text())
     ddp = report["demo"]["workloads"]["ddp"]
     steps = [t for t in report["traces"] if "trainer-0" in t["per_rank"]]
     assert len(steps) == ddp["steps"]
     named = [t["straggler"]["node"] for t in steps if t["straggler"]]
     assert named.count(ddp["straggler_node"]) >= len(steps) // 2, named
+    # The terminal report says so under the steps' summary (it named the slowest trace's only).
+    assert f"stragglers: {ddp['straggler_node']} in {named.count(ddp['straggler_node'])} of" in result.stdout
 
 
 def test_report_json_has_the_documented_shape(demo, tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 from ...proto.semconv import Kind, Status
 from .. import attribution
 from ..wording import counted
-from .terminal import clocks_to_show, errors_line, fmt_ns, largest_segments, slowest_first
+from .terminal import clocks_to_show, errors_line, fmt_ns, largest_segments, slowest_first, stragglers_line
 
 NAMES = attribution.CATEGORIES + ("remote",)
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
@@ -224,7 +224,7 @@ def _rank_bars(trace: dict) -> str:
           f'<td class="num">{fmt_ns(v["window_ns"])}</td>'], v, v["window_ns"]) for node, v in ranks])
 
 
-def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
+def _kinds(summary: dict, traces: list[dict], limit: int = 5, rows: int = 14) -> str:
     """Per kind of trace (root name): each critical-path segment at p50/p95/p99, in path order."""
     out = []
     for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:limit]:
@@ -238,6 +238,9 @@ def _kinds(summary: dict, limit: int = 5, rows: int = 14) -> str:
                    f'p95 {fmt_ns(d["p95_ns"])}, p99 {fmt_ns(d["p99_ns"])}</h3>'
                    f'<table class="kind"><tr><th>critical-path segment (path order)</th><th>p50</th><th>p95</th>'
                    f'<th>p99</th><th>mean</th><th>share</th></tr>{cells}</table>')
+        line = stragglers_line(name, k["traces"], traces)
+        if line:
+            out.append(f"<p>{html.escape(line)}</p>")
     return "".join(out)
 
 
@@ -278,7 +281,7 @@ def render(report: dict, analysed, attributed) -> str:
                                        pieces))
         body.append(_trace_bars(traces))
         if report.get("summary"):
-            body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"])]
+            body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"], traces)]
     body.append(_clocks(report))
     unmatched = {k: v for k, v in report.get("unmatched", {}).items() if v}
     if unmatched:

@@ -1,4 +1,5 @@
 """The report in the terminal (rich tables)."""
+import collections
 import math
 import os
 import sys
@@ -187,8 +188,21 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
         for category, stats in sorted(k["attribution"].items(), key=lambda kv: -kv[1]["mean_ns"]):
             table.add_row(f"[italic]{category}[/]", *_stat_cells(stats), "", "")
         console.print(table)
+        line = stragglers_line(name, k["traces"], traces)
+        if line:
+            console.print(escape(line))
         if k["traces"] > 1:
             _per_trace(name, k, traces, console, limit)
+
+
+def stragglers_line(name: str, n_traces: int, traces: list[dict]) -> str | None:
+    """"stragglers: trainer-3 in 10 of 10": the nodes the traces of one kind name (None: none)."""
+    named = collections.Counter(t["straggler"]["node"] for t in traces if t["name"] == name and t.get("straggler"))
+    if not named:
+        return None
+    more = len(named) - NODES_LISTED
+    return ("stragglers: " + ", ".join(f"{node} in {n} of {n_traces}" for node, n in named.most_common(NODES_LISTED))
+            + (f", {more} more nodes" if more > 0 else ""))
 
 
 def largest_segments(segments: list[dict], n: int) -> list[dict]:
