@@ -34,6 +34,7 @@ from ..proto import pb
 from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from .clock_probe import ClockProber, add_piggyback_samples
+from . import orphans
 from .encode import FIELDS, batches, encode_spans, encoded_size
 from .spool import ChildBatches, Spool, child_spool, parent_sends, remove_if_abandoned, tell_parent
 
@@ -54,6 +55,7 @@ _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep t
 _HANDOVER_POLL_S = 0.05   # how often batches handed over by forked children are looked for, and their acks
 _AFTER_FORK_S = 2.0       # a parent polls so long after a fork even where no child has handed over yet
 _HANDOVER_LOOK_S = 1.0    # and then looks (one stat) this often: a child that traces later is heard from soon
+_ORPHAN_SEND_S = 30.0    # a forked child whose parent stopped taking: how long its batches' sender may take
 
 
 class ExportQueue:
@@ -271,14 +273,20 @@ class Exporter:
     def _hand_over_and_stop(self, timeout_s: float) -> bool | None:
         """A forked child's shutdown: its last batches on disk for the parent, which sends
         them (a worker's exit does not wait for the collector). True when all is handed
-        over; None where the parent's tracer stopped taking batches (checked once they are
-        written: its last look comes after): this process sends them itself then."""
+        over. Where the parent's tracer stopped taking batches (checked once they are
+        written: its last look comes after), a new process sends them; None where it could
+        not run: this process sends them itself then."""
+        deadline = time.monotonic() + timeout_s
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():   # its last round is still writing
             return False
         if not self._parent_sends():
+            sent = self._send_through_a_new_process(max(0.0, deadline - time.monotonic()))
+            if sent is not None:
+                self._prober.close()
+                return self._last_spill() and sent
             self._send_myself()
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
@@ -288,6 +296,21 @@ class Exporter:
         self._last_spill()
         with self._lock:
             return not self.queue.queue and all(entry.spooled is not None for entry in self._unacked.values())
+
+    def _send_through_a_new_process(self, timeout_s: float) -> bool | None:
+        """A forked child's batches, where its parent's tracer stopped taking them: sent by a
+        new process (orphans.py says why not over gRPC here). Whether the collector acked
+        them all; None where that process could not run (this one sends them then)."""
+        with self._lock:
+            entries = list(self._unacked.values())
+        if not entries:
+            return True
+        batches = [entry.data if entry.data is not None else Spool.read(entry.spooled) for entry in entries]
+        sent = orphans.send(self.cfg, [data for data in batches if data is not None], timeout_s)
+        if sent:
+            with self._lock:
+                self._let_go_unlocked(entries)
+        return sent
 
     def _last_spill(self) -> bool:
         """At shutdown: what is unacked goes to the spool (the next process that spools there
@@ -311,7 +334,8 @@ class Exporter:
 
     def _send_myself(self) -> None:
         """A forked child whose parent's tracer no longer takes its batches (shut down, or
-        killed): from now on it sends them itself, over a channel of its own."""
+        killed), where no new process could send them (_send_through_a_new_process): from
+        now on it sends them itself, over a channel of its own."""
         self._reap_handed_over()
         parent, self._parent = self._parent, None
         if parent is not None and self._spool is None:   # (else its spool's close() does this)
@@ -463,9 +487,11 @@ class Exporter:
         batches (137 us a look with 8 children, one stat otherwise)."""
         if self._parent is not None:
             self._reap_handed_over()
-            if (full or self._waiters) and not self._parent_sends():   # nobody takes them any more
-                self._send_myself()
-                self._ensure_stream()
+            if (full or self._waiters) and not self._stopping and not self._parent_sends():
+                # nobody takes them any more (at shutdown, _hand_over_and_stop sends them)
+                if self._send_through_a_new_process(_ORPHAN_SEND_S) is None:
+                    self._send_myself()
+                    self._ensure_stream()
         elif self.takes_handovers() and (full or self._children.changed()):
             self._take_children(tidy=full)
 
@@ -523,9 +549,8 @@ class Exporter:
         try:
             return child_spool(self._parent, self.session_id, self.cfg.spool_fsync)
         except OSError as exc:
-            if not self._parent_sends():   # the parent's tracer is gone, and its folder with it
-                self._send_myself()
-                return None
+            if not self._parent_sends():   # the parent's tracer is gone, and its folder with it: its
+                return None                # batches wait in memory for _poll_handovers or shutdown
             self._warn_once("handover", f"crosstrace: cannot hand batches over to the parent process in "
                             f"{self._parent} ({exc}); they are kept in memory, within max_unacked_mb")
             return None
