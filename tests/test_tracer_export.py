@@ -439,6 +439,28 @@ def test_children_ending_as_the_parent_shuts_down_lose_nothing(collector):
     assert wait_until(lambda: span_count(collector.store) == 200, 10), span_count(collector.store)
 
 
+def test_a_child_outliving_its_parents_tracer_sends_with_a_configuration_of_paths(collector, tmp_path):
+    """The new process that sends an orphaned child's batches gets its configuration as JSON,
+    which refused a pathlib.Path (a spool_dir so given): shutdown raised TypeError into the
+    program, and its spans were lost."""
+    out = run_python("""
+        import os, pathlib, sys, time, crosstrace
+        p = crosstrace.init(spool_dir=pathlib.Path(sys.argv[1]))
+        tracer = p.get_tracer("t")
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.3)   # the parent's tracer is shut down meanwhile
+            for i in range(30):
+                with tracer.start_as_current_span("orphan"):
+                    pass
+            os._exit(0 if p.shutdown() else 1)
+        p.shutdown()
+        print(os.waitpid(pid, 0)[1])
+    """, env=tracer_env(collector, "paths"), timeout=60, args=(str(tmp_path / "spool"),))
+    assert out.stdout.split() == ["0"], out.stdout + out.stderr
+    assert wait_until(lambda: span_count(collector.store) == 30, 10), span_count(collector.store)
+
+
 def test_a_childs_handover_outlives_its_parent_in_the_spool(collector, tmp_path):
     """The parent (spool_dir set, its collector away) is killed with its child's batches
     handed over and unsent: the next process that spools there sends them."""

@@ -55,7 +55,6 @@ _EXIT_PROBE_S = 0.5    # at most, for the burst at shutdown: threads that keep t
 _HANDOVER_POLL_S = 0.05   # how often batches handed over by forked children are looked for, and their acks
 _AFTER_FORK_S = 2.0       # a parent polls so long after a fork even where no child has handed over yet
 _HANDOVER_LOOK_S = 1.0    # and then looks (one stat) this often: a child that traces later is heard from soon
-_ORPHAN_SEND_S = 30.0    # a forked child whose parent stopped taking: how long its batches' sender may take
 
 
 class ExportQueue:
@@ -489,7 +488,7 @@ class Exporter:
             self._reap_handed_over()
             if (full or self._waiters) and not self._stopping and not self._parent_sends():
                 # nobody takes them any more (at shutdown, _hand_over_and_stop sends them)
-                if self._send_through_a_new_process(_ORPHAN_SEND_S) is None:
+                if self._send_through_a_new_process(self.cfg.exit_flush_timeout_s) is None:
                     self._send_myself()
                     self._ensure_stream()
         elif self.takes_handovers() and (full or self._children.changed()):

@@ -12,6 +12,7 @@ a relay does, and exits 0 once the collector has acked them all (3 where it has 
 """
 import dataclasses
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -24,18 +25,31 @@ def send(cfg, batches: list[bytes], timeout_s: float) -> bool | None:
     """Whether the collector acked `batches` (serialized SpanBatches) within timeout_s,
     sent from a new process; None where that process could not run. The configuration goes
     on stdin, not the command line, where any user could read its token."""
-    records = [json.dumps(dataclasses.asdict(cfg)).encode(), *batches]
-    payload = b"".join(_LENGTH.pack(len(record)) + record for record in records)
+    try:
+        config = json.dumps(dataclasses.asdict(cfg), default=_plain).encode()
+    except (TypeError, ValueError):
+        return None
+    payload = b"".join(_LENGTH.pack(len(record)) + record for record in (config, *batches))
     # -P: the installed crosstrace, not a `crosstrace` folder where the program runs
     command = [sys.executable, "-P", "-m", "crosstrace.tracer.orphans", str(timeout_s)]
     try:
         done = subprocess.run(command, input=payload, capture_output=True, timeout=timeout_s + 10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if done.returncode not in (0, _NOT_ACKED):   # it did not get to send (an import error, say)
+    if done.returncode:   # what went wrong, as the sender said it (the collector out of reach, say)
         sys.stderr.write(done.stderr.decode(errors="replace")[-2000:])
+    if done.returncode not in (0, _NOT_ACKED):   # it did not get to send (an import error, say)
         return None
     return done.returncode == 0
+
+
+def _plain(value):
+    """A configuration value as JSON has it: a path as text, a numpy number as Python's."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} in the configuration")
 
 
 def _records(data: bytes) -> list[bytes]:
