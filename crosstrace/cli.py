@@ -6,6 +6,7 @@ import sys
 
 from . import __version__
 from .commands import budget, clocks, collector, demo, report
+from .launch import CollectorDidNotStart
 
 COMMANDS = [demo, collector, report, clocks, budget]
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return _reader_left()
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, CollectorDidNotStart) as exc:
         print(f"crosstrace: error: {_message(exc)}", file=sys.stderr)
         return 2
 

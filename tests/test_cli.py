@@ -101,6 +101,10 @@ def test_export_jsonl_writes_every_span_on_the_aligned_timeline(demo, tmp_path):
     for r in buckets:
         slack = 2 * r["error_bound_ns"]
         assert by_id[r["parent_span_id"]]["start_ns"] - slack <= r["attributes"]["ddp.ready_ns"] <= r["start_ns"] + slack
+    # The Perfetto file has it so too.
+    perfetto = {e["args"]["span_id"]: e["args"] for e in json.loads((out / "trace.json").read_text())["traceEvents"]
+                if e.get("ph") == "X" and e["name"] == "ddp.all_reduce"}
+    assert all(perfetto[r["span_id"]]["attributes"]["ddp.ready_ns"] == r["attributes"]["ddp.ready_ns"] for r in buckets)
     # Aligned: every RPC server span lies inside its client span despite offsets of hundreds of ms.
     for r in rows:
         if r["kind"] == "RPC_SERVER":

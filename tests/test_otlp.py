@@ -176,7 +176,8 @@ tracer = provider.get_tracer("t")
 for i in range(5):
     wall = time.time_ns()
     with tracer.start_as_current_span("work", attributes={"i": i, "wall_ns": wall}):
-        with tracer.start_as_current_span("inner", kind=crosstrace.Kind.COMPUTE):
+        with tracer.start_as_current_span("inner", kind=crosstrace.Kind.COMPUTE) as inner:
+            inner.set_attribute("ddp.ready_ns", provider.clock.now())   # a time on this node's clock
             time.sleep(0.002)
     time.sleep(0.02)
 assert provider.force_flush(20000)
@@ -225,6 +226,8 @@ def test_export_otlp_sends_aligned_unix_times(collector):
                 assert abs(span.start_time_unix_nano - attrs["wall_ns"].int_value) < 20 * MS
             else:
                 assert attrs[sc.KIND].string_value == "compute"
+                # a node-clock time among its attributes goes onto the Unix epoch with it
+                assert abs(attrs[sc.DDP_READY_NS].int_value - span.start_time_unix_nano) < 1 * MS
         else:   # its resource as sent: types, its own `source` (crosstrace's label hid it), long values
             assert (res["source"].string_value, res["replicas"].int_value, res["process.pid"].int_value,
                     res["note"].string_value) == ("till-app", 3, 4242, "n" * 300)

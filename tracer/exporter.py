@@ -33,8 +33,9 @@ except ImportError:  # pragma: no cover - another grpc layout: imported on first
 from ..proto import pb
 from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
-from .clock_probe import ClockProber, add_piggyback_samples
 from . import orphans
+from .clock import Clock
+from .clock_probe import ClockProber, add_piggyback_samples
 from .encode import FIELDS, batches, encode_spans, encoded_size
 from .spool import ChildBatches, Spool, child_spool, parent_sends, remove_if_abandoned, tell_parent
 
@@ -212,6 +213,14 @@ class Exporter:
         self._thread = threading.Thread(target=self._run, name="crosstrace-exporter", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def forwarding(cls, cfg, forked: bool = False) -> "Exporter":
+        """An exporter of batches made elsewhere, given to forward(): a relay's upstream, an
+        orphaned child's sender (`forked`: no batch or clock probe of its own). Its clock
+        is the configuration's."""
+        clock = Clock(cfg.sim_clock_offset_ns, cfg.sim_clock_drift_ppm, cfg.sim_clock_epoch_ns)
+        return cls(cfg, clock, ExportQueue(clock, cfg.max_queue, cfg.batch_size), forked=forked)
+
     def _open_spool(self) -> Spool | None:
         if not self.cfg.spool_dir:
             return None
@@ -302,10 +311,9 @@ class Exporter:
         them all; None where that process could not run (this one sends them then)."""
         with self._lock:
             entries = list(self._unacked.values())
-        if not entries:
-            return True
         batches = [entry.data if entry.data is not None else Spool.read(entry.spooled) for entry in entries]
-        sent = orphans.send(self.cfg, [data for data in batches if data is not None], timeout_s)
+        batches = [data for data in batches if data is not None]   # (a file gone: the parent sent it)
+        sent = orphans.send(self.cfg, batches, timeout_s) if batches else True
         if sent:
             with self._lock:
                 self._let_go_unlocked(entries)

@@ -63,16 +63,12 @@ def _records(data: bytes) -> list[bytes]:
 
 def main() -> int:
     from ..proto import pb
-    from .clock import Clock
     from .config import Config
-    from .exporter import Exporter, ExportQueue
+    from .exporter import Exporter
 
     timeout_s = float(sys.argv[1])
     config, *batches = _records(sys.stdin.buffer.read())
-    cfg = Config(**json.loads(config))
-    clock = Clock(cfg.sim_clock_offset_ns, cfg.sim_clock_drift_ppm, cfg.sim_clock_epoch_ns)
-    # forked=True: no batch and no clock probe of its own, only the child's batches
-    exporter = Exporter(cfg, clock, ExportQueue(clock, cfg.max_queue, cfg.batch_size), forked=True)
+    exporter = Exporter.forwarding(Config(**json.loads(config)), forked=True)
     for data in batches:
         exporter.forward(pb.SpanBatch.FromString(data))
     return 0 if exporter.shutdown(timeout_s) else _NOT_ACKED

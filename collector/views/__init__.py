@@ -32,15 +32,19 @@ def outcome(t, al, row: int) -> dict:
                       for trace_hex, span_hex, attrs, *_ in entries(extra, "links", 3)]}
 
 
-def aligned_attributes(t, al, row: int) -> dict:
-    """A span's attributes, those that are times on its node's clock (NODE_CLOCK_TIMES) on
-    the aligned timeline, as its start and end are."""
-    attributes = t.attributes[row] or {}
+def placed_attributes(attributes: dict | None, place) -> dict:
+    """A span's attributes, those that are times on its node's clock (NODE_CLOCK_TIMES)
+    placed as its start and end are: `place` maps a list of such times."""
+    attributes = attributes or {}
     times = [key for key in NODE_CLOCK_TIMES if type(attributes.get(key)) is int and -1 << 63 <= attributes[key] < 1 << 63]
     if not times:
         return attributes
-    aligned = al.to_reference(t.nodes[t.node[row]], [attributes[key] for key in times]).tolist()
-    return {**attributes, **dict(zip(times, aligned))}
+    return {**attributes, **dict(zip(times, place([attributes[key] for key in times])))}
+
+
+def aligned_attributes(t, al, row: int) -> dict:
+    """placed_attributes on the aligned timeline (the JSONL and Perfetto views')."""
+    return placed_attributes(t.attributes[row], lambda local: al.to_reference(t.nodes[t.node[row]], local).tolist())
 
 
 def entries(extra: dict, key: str, width: int) -> list:

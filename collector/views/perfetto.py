@@ -17,7 +17,7 @@ from ...proto.semconv import Kind
 from .. import attribution
 from ..columns import dumps
 from ..dag import Edge, dense
-from . import PLAIN, open_output, outcome
+from . import PLAIN, aligned_attributes, open_output, outcome
 
 _KINDS = {k.value: k.name.lower() for k in Kind}
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
@@ -97,7 +97,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
     np.add.at(on_path, at.segment_row[covered], (paths.end - paths.start)[covered])
     ts, dur = us(start), us(end, start)
     for i in range(n):
-        attrs = t.attributes[i]
+        attrs = aligned_attributes(t, al, i)
         args = {"trace_id": t.trace_ids[t.trace[i]], "span_id": f"{int(t.span_id[i]):016x}",
                 "kind": _KINDS.get(int(t.kind[i]), str(t.kind[i])), "error_bound_ns": int(al.error[i])}
         if t.parent_id[i]:

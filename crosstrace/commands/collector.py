@@ -83,17 +83,15 @@ def run_args(args) -> int:
 def _upstream(args):
     """The relay's exporter towards upstream (stream, acks, spool, clock probes), configured
     like any tracer: flags, then CROSSTRACE_* variables."""
-    from ..tracer.clock import Clock
     from ..tracer.config import Config
-    from ..tracer.exporter import Exporter, ExportQueue
+    from ..tracer.exporter import Exporter
 
     node_id = args.node_id or os.environ.get("CROSSTRACE_NODE_ID") or f"{socket.gethostname()}/relay"
     cfg = Config.from_env(endpoint=args.forward_to, node_id=node_id, role="relay",
                           spool_dir=args.spool or f"{args.store}.spool", spool_max_mb=args.spool_max_mb,
                           spool_fsync=args.sync == "full" or None)   # acked batches wait there for upstream
-    clock = Clock(cfg.sim_clock_offset_ns, cfg.sim_clock_drift_ppm, cfg.sim_clock_epoch_ns)
-    exporter = Exporter(cfg, clock, ExportQueue(clock, cfg.max_queue, cfg.batch_size))
-    return exporter, clock
+    exporter = Exporter.forwarding(cfg)
+    return exporter, exporter.clock
 
 
 def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,

@@ -9,7 +9,6 @@ from rich.table import Table
 
 from ..collector.views import terminal
 from ..demo import WORKLOADS
-from ..launch import CollectorDidNotStart
 from .report import positive
 
 
@@ -48,9 +47,6 @@ def run(args) -> int:
         signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     try:
         report = run_demo(args.out, requests=args.requests, workloads=args.workloads, say=say)
-    except CollectorDidNotStart as exc:
-        print(f"crosstrace: error: {exc}", file=sys.stderr)
-        return 2
     except (KeyboardInterrupt, SystemExit):
         say("interrupted; the workers and the collector are stopped")
         raise
