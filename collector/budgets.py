@@ -46,7 +46,7 @@ from fractions import Fraction
 import numpy as np
 
 from .attribution import CATEGORIES, Attribution
-from .durations import parse_ns
+from .durations import format_ns, parse_ns
 from .spantable import SpanTable
 
 MEASURES = ("critical_path", "worst_rank", "mean_rank")
@@ -77,17 +77,10 @@ class Budget:
         if self.span and self.node:
             what = f"{self.node}.{what}"
         p = "" if self.percentile == 100 else f" p{self.percentile:g}"
-        limit = f"{self.limit * 100:.12g}%" if self.share else format_ns(self.limit, 12)   # as it was given
+        limit = f"{self.limit * 100:.12g}%" if self.share else format_ns(self.limit, 12, sep="")   # as a budget file has it
         scope = f" of {self.traces}" if self.traces and self.share else (f" in {self.traces}" if self.traces else "")
         how = f" ({self.measure})" if self.category and self.measure != "critical_path" else ""
         return f"{what}{p} <= {limit}{scope}{how}"
-
-
-def format_ns(ns: float, digits: int = 4) -> str:
-    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
-        if abs(ns) >= scale:
-            return f"{ns / scale:.{digits}g}{unit}"
-    return f"{ns:.0f}ns"
 
 
 def parse_limit(text) -> tuple[float, bool]:

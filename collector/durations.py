@@ -1,6 +1,7 @@
 """One grammar for a duration wherever a user writes one (budget limits, --last, --retain):
 a number and a unit, ns, us (µs), ms, s, min, h or d. Two grammars took "90s" in both
-places but "250us" only in a budget and "2h" only on the command line."""
+places but "250us" only in a budget and "2h" only on the command line. And one way to
+print one: the report printed "28.4 ms" and the budget check "28.4ms"."""
 import re
 
 UNITS_NS = {"ns": 1, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9, "min": 60e9, "h": 3600e9, "d": 86400e9}
@@ -11,3 +12,17 @@ def parse_ns(text) -> float | None:
     """ns of "800ns", "250us", "1.5s", "15min", "7d"; None for anything else."""
     m = _DURATION.match(text) if isinstance(text, str) else None
     return float(m.group(1)) * UNITS_NS[m.group(2)] if m else None
+
+
+def format_ns(ns, digits: int = 3, sep: str = " ") -> str:
+    """ns in the largest unit up to seconds that it reaches, to `digits` significant digits
+    ("28.4 ms", "950 ns"; whole units from 10**(digits-1) on: "1234 s"); "-" for None.
+    sep="" writes it as a budget file does ("5ms")."""
+    if ns is None:
+        return "-"
+    ns = float(ns)
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if abs(ns) >= scale:
+            value = ns / scale
+            return f"{value:.{digits}g}{sep}{unit}" if abs(value) < 10 ** (digits - 1) else f"{value:.0f}{sep}{unit}"
+    return f"{ns:.0f}{sep}ns"

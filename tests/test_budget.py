@@ -165,12 +165,12 @@ span = "no such span"
 max = "1ms"
 """, tmp_path)
     assert [r["rule"] for r in results] == ["backward <= 60ms", "backward <= 59.999999ms", "no such span <= 1ms"]
-    assert budgets.format_measured(results[0]) == ("60.000001ms", "60ms")
-    assert budgets.format_measured(results[1]) == ("60.000001ms", "59.999999ms")
+    assert budgets.format_measured(results[0]) == ("60.000001 ms", "60 ms")
+    assert budgets.format_measured(results[1]) == ("60.000001 ms", "59.999999 ms")
     console = Console(record=True, width=200)
     render_budgets(results, 1, console)
     out = console.export_text()
-    assert "60.000001ms" in out and "2 of 3 budgets violated, 1 of 3 without data" in out
+    assert "60.000001 ms" in out and "2 of 3 budgets violated, 1 of 3 without data" in out
 
 
 def crosstrace(*args, timeout=120):

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..durations import format_ns as fmt_ns
 from ..wording import counted
 
 # Every name that comes from the traced program (spans, nodes, traces, budgets, the store's
@@ -28,16 +29,6 @@ class _Console(Console):
         command does there (rich exits 1 on its own)."""
         self.quiet = True
         raise BrokenPipeError
-
-
-def fmt_ns(ns) -> str:
-    if ns is None:
-        return "-"
-    ns = float(ns)
-    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
-        if abs(ns) >= scale:
-            return f"{ns / scale:.3g} {unit}" if abs(ns) < 100 * scale else f"{ns / scale:.0f} {unit}"
-    return f"{ns:.0f} ns"
 
 
 def slowest_first(traces: list[dict]) -> list[dict]:
