@@ -485,6 +485,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_analysis(rpc_stor
     # An OTLP header without --otlp was ignored, silently.
     result = crosstrace("export", "--jsonl", str(tmp_path / "s.jsonl"), "--otlp-header", "a=b", "--store", rpc_store)
     assert one_line_error(result, "--otlp-header goes with --otlp") and not (tmp_path / "s.jsonl").exists()
+    result = crosstrace("export", "--jsonl", str(tmp_path / "s.jsonl"), "--otlp-ca", "ca.pem", "--store", rpc_store)
+    assert one_line_error(result, "--otlp-ca goes with --otlp") and not (tmp_path / "s.jsonl").exists()
 
 
 def test_a_demo_leaves_a_store_that_a_collector_is_writing_alone(three_traces):

@@ -262,9 +262,10 @@ def test_export_otlp_fits_each_request_within_what_receivers_take(collector):
     """, tracer_env(collector, "llm", clock_probe_interval_s=0.1), timeout=60)
     with receiving() as (receiver, port):   # gRPC's default limit: 4 MiB a message
         out = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", collector.store,
-                              "--otlp", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+                              "--otlp", f"HTTP://127.0.0.1:{port}/"],   # a URL as people write one
+                             capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "sent 1,000 spans" in out.stderr and "1 spans larger than 3 MB were left out" in out.stderr
+    assert "sent 1,000 spans" in out.stderr and "1 span larger than 3 MB left out" in out.stderr
     assert len(receiver.requests) >= 3 and all(r.ByteSize() <= 3 << 20 for r in receiver.requests)
     assert sum(len(s.spans) for r in receiver.requests for rs in r.resource_spans for s in rs.scope_spans) == 1000
 

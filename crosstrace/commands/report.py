@@ -47,7 +47,8 @@ def register(sub) -> None:
                         "Unix epoch on the aligned timeline, each span with crosstrace.error_bound_ns")
     p.add_argument("--otlp-header", action="append", default=[], metavar="KEY=VALUE",
                    help="metadata on every OTLP request, e.g. 'authorization=Bearer T' (repeatable)")
-    p.add_argument("--otlp-ca", metavar="PEM", help="CA bundle that signed the https:// backend's certificate")
+    p.add_argument("--otlp-ca", metavar="PEM",
+                   help="CA bundle that signed the backend's certificate (means TLS, as https:// does)")
     p.add_argument("--trace", action="append", metavar="TRACE_ID",
                    help="only this trace: its id or a unique prefix, any case (repeatable)")
     add_window(p)
@@ -123,8 +124,8 @@ def run_export(args) -> int:
         raise ValueError("nothing to export: give --jsonl FILE, --perfetto FILE and/or --otlp ENDPOINT")
     if args.jsonl == args.perfetto == "-":
         raise ValueError("--jsonl and --perfetto cannot both go to stdout ('-')")
-    if args.otlp_header and not args.otlp:
-        raise ValueError("--otlp-header goes with --otlp ENDPOINT")
+    if (args.otlp_header or args.otlp_ca) and not args.otlp:
+        raise ValueError(f"{'--otlp-header' if args.otlp_header else '--otlp-ca'} goes with --otlp ENDPOINT")
     headers = [_header(h) for h in args.otlp_header]
     check_writable(args.jsonl, args.perfetto)
     store = open_store(args.store, args.last)
@@ -199,6 +200,7 @@ def export_otlp(endpoint: str, analysed, headers, ca) -> None:
         raise OSError(f"OTLP export to {endpoint} failed: {err.code().name}: {err.details()}") from None
     progress(f"sent {counted(result.spans, 'span')} to {endpoint} in {counted(result.requests, 'request')}"
              + (f"; the backend rejected {result.rejected:,}" if result.rejected else "")
-             + (f"; {result.unplaced:,} spans of nodes without a clock model were left out" if result.unplaced else "")
-             + (f"; {result.oversize:,} spans larger than {otlp.MAX_REQUEST_BYTES >> 20} MB were left out"
+             + (f"; {counted(result.unplaced, 'span')} of nodes without a clock model left out"
+                if result.unplaced else "")
+             + (f"; {counted(result.oversize, 'span')} larger than {otlp.MAX_REQUEST_BYTES >> 20} MB left out"
                 if result.oversize else ""))
