@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -82,6 +83,17 @@ def local_minus_wall(now) -> tuple[int, int]:
     otherwise pass unnoticed into a test's truth."""
     before, local, after = time.time_ns(), now(), time.time_ns()
     return local - (before + after) // 2, after - before
+
+
+def first_line(proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    """The first line a child prints (its port, say); "" where it prints none within
+    timeout_s, when it is killed: never a wait without end."""
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    try:
+        return proc.stdout.readline()
+    finally:
+        timer.cancel()
 
 
 def tracer_env(collector: CollectorProcess, node_id: str, **extra) -> dict:

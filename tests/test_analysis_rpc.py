@@ -28,7 +28,7 @@ from crosstrace.commands.report import analyse_report
 from crosstrace.netproxy import DelayProxy
 from crosstrace.proto.semconv import Kind
 
-from .conftest import run_python, tracer_env
+from .conftest import first_line, run_python, tracer_env
 
 MS = 1_000_000
 UP_MS, DOWN_MS = 30, 10
@@ -105,7 +105,7 @@ def test_uplink_and_downlink_through_delaying_proxy(collector):
     cloud = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CLOUD)], env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
-        port = cloud.stdout.readline().strip()
+        port = first_line(cloud).strip()
         assert port.isdigit(), f"cloud did not start: {port!r}"
         with DelayProxy(f"127.0.0.1:{port}", up_ms=UP_MS, down_ms=DOWN_MS) as proxy:
             run_python(EDGE, tracer_env(collector, "edge", sim_clock_offset_ns=EDGE_OFFSET_NS),
@@ -254,7 +254,7 @@ def test_concurrent_asyncio_calls_each_keep_their_own_path(collector):
             servers.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(AIO_SERVER), compute_ms],
                                             env={**os.environ, **tracer_env(collector, name)},
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-            ports.append(servers[-1].stdout.readline().strip())
+            ports.append(first_line(servers[-1]).strip())
             assert ports[-1].isdigit(), f"{name} did not start: {ports[-1]!r}"
         with DelayProxy(f"127.0.0.1:{ports[1]}", up_ms=0, down_ms=80) as proxy:
             run_python(AIO_CLIENT, tracer_env(collector, "client"), timeout=60,

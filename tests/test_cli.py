@@ -17,7 +17,7 @@ import pytest
 
 from crosstrace.demo import injected_offset_at
 
-from .conftest import run_python, tracer_env
+from .conftest import first_line, run_python, tracer_env
 from .test_collector_input import batch, export
 
 
@@ -197,7 +197,7 @@ def test_a_collector_whose_output_is_gone_still_stops_on_sigterm(tmp_path):
                              "--store", str(tmp_path / "s.db")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        address = proc.stdout.readline().split()[4].rstrip(",")
+        address = first_line(proc).split()[4].rstrip(",")
         proc.stdout.close()
         proc.stderr.close()
         run_python("""

@@ -19,8 +19,9 @@ from crosstrace.collector.udp_clock import UdpClockResponder
 from crosstrace.launch import wait_until
 from crosstrace.proto import pb
 from crosstrace.tracer.clock import Clock
+from crosstrace.tracer.clock_probe import _UDP_GIVE_UP_AFTER
 
-from .conftest import run_python, tracer_env
+from .conftest import first_line, run_python, tracer_env
 
 WORKER = """
 import sys, time, crosstrace
@@ -135,7 +136,7 @@ def test_rpc_spans_are_causally_consistent_after_alignment(collector):
     server = subprocess.Popen([sys.executable, "-m", mod, "--role", "model"], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, **sim_env(collector, "model", 200_000_000, 40.0, epoch)})
     try:
-        line = server.stdout.readline()
+        line = first_line(server)
         assert line.startswith("listening on "), line
         address = line.split()[-1]
         client = subprocess.run([sys.executable, "-m", mod, "--role", "frontend", "--upstream", address,
@@ -249,11 +250,22 @@ def test_udp_probing_starts_when_the_collector_comes_up_late(tmp_path):
     from crosstrace.launch import CollectorProcess, free_port
 
     port = free_port()
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)   # holds the port, hears the probes, answers none
+    silent.bind(("127.0.0.1", port))
+    silent.settimeout(0.5)
     env = {**os.environ, "CROSSTRACE_ENDPOINT": f"127.0.0.1:{port}", "CROSSTRACE_NODE_ID": "early",
            "CROSSTRACE_CLOCK_PROBE_INTERVAL_S": "0.1"}
-    tracer = subprocess.Popen([sys.executable, "-c", WORKER, "3"], env=env)
+    tracer = subprocess.Popen([sys.executable, "-c", WORKER, "5"], env=env)
     try:
-        time.sleep(1.0)   # ~8 probe rounds with nobody listening
+        heard = 0   # a round's UDP probe, unanswered, ends its UDP part: one datagram a round
+        deadline = time.monotonic() + 30
+        while heard < _UDP_GIVE_UP_AFTER + 1 and time.monotonic() < deadline:
+            try:
+                heard += bool(silent.recv(64))
+            except TimeoutError:
+                pass
+        silent.close()
+        assert heard > _UDP_GIVE_UP_AFTER, f"UDP probing stopped after {heard} rounds that nobody answered at all"
         with CollectorProcess(str(tmp_path / "store.db"), listen=f"127.0.0.1:{port}") as collector:
             assert tracer.wait(timeout=60) == 0
             store = Store(collector.store, readonly=True)
@@ -262,6 +274,7 @@ def test_udp_probing_starts_when_the_collector_comes_up_late(tmp_path):
             finally:
                 store.close()
     finally:
+        silent.close()
         if tracer.poll() is None:
             tracer.kill()
     assert sources == {pb.UDP_EXCHANGE, pb.GRPC_EXCHANGE}

@@ -296,31 +296,42 @@ def test_bytes_in_flight_are_bounded():
 def test_a_full_collector_tells_clients_to_retry(tmp_path):
     """--max-streams bounds the calls served at once (each tracer holds a stream); one more
     gets RESOURCE_EXHAUSTED, which the tracer retries, and is served once a stream ends."""
-    from crosstrace.launch import CollectorProcess
+    import threading
+
+    from crosstrace.launch import CollectorProcess, wait_until
 
     probe = pb.ClockProbe(t1=1).SerializeToString()
+    done = threading.Event()
+
+    def answer():
+        try:
+            return exchange(probe, timeout=5)
+        except grpc.RpcError as err:
+            return err.code()
+
     with CollectorProcess(str(tmp_path / "s.db"), extra_args=("--max-streams", "2")) as collector, \
             grpc.insecure_channel(collector.address) as channel:
         exchange = channel.unary_unary("/crosstrace.v1.Collector/ExchangeClock", request_serializer=None,
                                        response_deserializer=None)
         streams = []
-        for _ in range(2):   # idle export streams, as two tracers between batches hold them
-            call = channel.stream_stream(EXPORT, request_serializer=None,
-                                         response_deserializer=pb.ExportAck.FromString)(idle_requests(3))
-            streams.append(call)
-        time.sleep(0.5)
-        with pytest.raises(grpc.RpcError) as refused:
-            exchange(probe, timeout=5)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        streams[0].cancel()
-        time.sleep(0.5)
-        assert pb.ClockProbeReply.FromString(exchange(probe, timeout=5)).t1 == 1
-        streams[1].cancel()
+        try:
+            for _ in range(2):   # idle export streams, as two tracers between batches hold them
+                call = channel.stream_stream(EXPORT, request_serializer=None,
+                                             response_deserializer=pb.ExportAck.FromString)(idle_requests(done))
+                streams.append(call)
+            assert wait_until(lambda: answer() == grpc.StatusCode.RESOURCE_EXHAUSTED, 20)   # once both are served
+            streams[0].cancel()
+            assert wait_until(lambda: isinstance(reply := answer(), bytes) and
+                              pb.ClockProbeReply.FromString(reply).t1 == 1, 20)
+        finally:
+            done.set()
+            for call in streams:
+                call.cancel()
 
 
-def idle_requests(seconds: float):
-    """A request iterator that sends nothing for a while (an idle stream)."""
-    time.sleep(seconds)
+def idle_requests(done):
+    """A request iterator that sends nothing until `done` is set (an idle stream; 60 s at most)."""
+    done.wait(60)
     yield from ()
 
 

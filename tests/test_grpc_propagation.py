@@ -18,6 +18,7 @@ import pytest
 import crosstrace
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
+from crosstrace.launch import wait_until
 from crosstrace.proto import pb
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind
@@ -538,7 +539,7 @@ def test_a_batch_carries_the_fastest_rpc_samples_of_each_peer(collector):
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="busy", udp_clock=False,
                                          rpc_clock_interval_ms=0, export_interval_ms=60_000,
                                          clock_probe_interval_s=3600)
-    time.sleep(0.5)   # past the exporter's first round: the calls' samples all go in one batch
+    assert provider.force_flush(20_000)   # a round now, the next in 60 s: the calls' samples all go in one batch
     with traced_echo(provider) as (seen, address, channel):
         echo = channel.unary_unary("/test.Svc/Echo")
         trailers = [call.trailing_metadata() for _, call in (echo.with_call(b"x", timeout=10) for _ in range(50))]
@@ -654,7 +655,8 @@ def test_a_server_span_past_its_deadline_says_so(collector):
         with pytest.raises(grpc.RpcError) as raised:
             grpc.insecure_channel(address).unary_unary("/test.Svc/Slow")(b"r", timeout=0.1)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(0.6)
+        # the span ends as the handler returns, after the call is over for gRPC
+        assert wait_until(lambda: provider.force_flush(5000) and load(collector)[0], 15)
     finally:
         server.stop(0)
     flush_all({"server": provider})

@@ -12,6 +12,8 @@ import pytest
 from crosstrace.launch import wait_until
 from crosstrace.netproxy import DelayProxy
 
+from .conftest import first_line
+
 
 class EchoServer:
     """A real TCP echo server on loopback (one thread per connection)."""
@@ -210,7 +212,7 @@ def test_command_line(echo):
     proc = subprocess.Popen([sys.executable, "-m", "crosstrace.netproxy", "--upstream", echo.address,
                              "--up-ms", "5", "--down-ms", "5"], stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
+        line = first_line(proc)
         assert line.startswith("listening on 127.0.0.1:")
         host, port = line.split()[-1].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:

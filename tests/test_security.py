@@ -19,7 +19,7 @@ from crosstrace.collector.security import load_tokens
 from crosstrace.launch import CollectorProcess, wait_until
 from crosstrace.proto import pb
 
-from .conftest import run_python, span_count, tracer_env
+from .conftest import first_line, run_python, span_count, tracer_env
 from .test_collector_input import EXPORT, batch
 
 TOKEN = "t0k3n-for-the-edge-camera-0001"
@@ -228,7 +228,7 @@ def test_a_plaintext_collector_that_goes_away_gets_no_tls_hint(collector):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **tracer_env(collector, "served")})
     try:
-        assert proc.stdout.readline().strip() == "True"
+        assert first_line(proc).strip() == "True"
         collector.kill()
         _, err = proc.communicate("go\n", timeout=60)
     finally:

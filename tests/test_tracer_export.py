@@ -9,7 +9,7 @@ from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until
 from crosstrace.proto import pb
 
-from .conftest import run_python, span_count, tracer_env
+from .conftest import first_line, run_python, span_count, tracer_env
 
 
 SPANS_SCRIPT = """
@@ -574,7 +574,7 @@ def test_an_exit_interrupted_while_it_joins_a_child_still_keeps_the_spans(tmp_pa
     """)
     proc = subprocess.Popen([sys.executable, "-c", program, str(spool)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    child = int(proc.stdout.readline())
+    child = int(first_line(proc))
     try:
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
