@@ -107,7 +107,7 @@ REPLAY = textwrap.dedent("""
     from crosstrace.tracer.provider import Tracer
     n, endpoint = int(sys.argv[1]), sys.argv[2]
     queue = ExportQueue(Clock(), max_queue=n + 1, batch_size=n + 1)   # a tracer's queue, no exporter
-    tracer = Tracer(queue, "bench")
+    tracer = Tracer(queue)
     for i in range(n):
         with tracer.start_as_current_span("op", attributes={"i": i, "k": "v"}):
             pass

@@ -45,7 +45,7 @@ def queued_bytes_per_span(n: int = 20000) -> tuple[float, float]:
     sdk.add_span_processor(BatchSpanProcessor(NoopExporter(), max_queue_size=n + 1, max_export_batch_size=n + 1,
                                               schedule_delay_millis=3_600_000))
     out = []
-    for tracer in (Tracer(queue, "bench"), sdk.get_tracer("bench")):
+    for tracer in (Tracer(queue), sdk.get_tracer("bench")):
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]

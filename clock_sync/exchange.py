@@ -91,16 +91,6 @@ def bursts(t: np.ndarray, gap_ns: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.diff(t) > gap_ns)]).astype(np.int64) if len(t) else np.empty(0, np.int64)
 
 
-def min_delay_per_burst(bounds: Bounds, gap_ns: int = 1_000_000_000) -> Bounds:
-    """The lowest-delay exchange of each burst (NTP's clock filter): queueing only ever
-    adds delay, so the quickest round trip is the least distorted."""
-    bounds = bounds.sorted()
-    burst = bursts(bounds.t, gap_ns)
-    order = np.lexsort((bounds.width, burst))
-    first = order[np.r_[True, burst[order][1:] != burst[order][:-1]]] if len(order) else order
-    return bounds.take(np.sort(first))
-
-
 @dataclasses.dataclass(frozen=True)
 class OffsetSample:
     """A one-way reading, as NTP and PTP sources produce and the wire carries it: at local

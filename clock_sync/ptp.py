@@ -13,7 +13,6 @@ import time
 
 from .exchange import OffsetSample
 
-DEFAULT_UDS = "/var/run/ptp4l"
 _FIELD = re.compile(r"^\s+(\w+)\s+(\S+)\s*$")
 
 

@@ -20,7 +20,7 @@ from ..clock_sync.exchange import Bounds
 from ..clock_sync.model import ClockModel, line, unknown
 from ..proto import pb
 from ..proto import semconv as sc
-from .matching import N_X_N, Matches, answered, collective_pattern, match
+from .matching import Matches, answered, is_n_x_n, match
 from .spantable import SpanTable
 
 # The one table of assumptions alignment makes.
@@ -227,7 +227,7 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
         latest[rows] = causal.reference_window(models, node, table.start[rows])[1]
         earliest[rows] = causal.reference_window(models, node, table.end[rows])[0]
     for members, op in zip(matches.collective_members(), matches.coll_op):
-        if collective_pattern(op) != N_X_N or len(members) < 2 or not all(
+        if not is_n_x_n(op) or len(members) < 2 or not all(
                 _ends_with_the_collective(table.attributes[r]) for r in members.tolist()):
             continue
         starts, ends = (members, members) if one_per_node else _binding_members(table, members)

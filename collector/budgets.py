@@ -45,12 +45,11 @@ from fractions import Fraction
 
 import numpy as np
 
-from .attribution import CATEGORIES, Attribution
+from .attribution import CATEGORIES, WAITING, Attribution
 from .durations import format_ns, parse_ns
 from .spantable import SpanTable
 
 MEASURES = ("critical_path", "worst_rank", "mean_rank")
-OFF_PATH = ("collective.wait", "p2p.wait", "bubble")     # measured per rank unless told otherwise
 _KEYS = {"name", "span", "node", "category", "traces", "measure", "percentile", "max"}
 _SHARE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
 
@@ -133,7 +132,7 @@ def _one(entry: dict) -> Budget:
         raise ValueError(f"category = {category!r}: expected one of {', '.join(CATEGORIES)}")
     if "node" in entry and not span:
         raise ValueError("node only applies to a span budget")
-    measure = entry.get("measure", "worst_rank" if category in OFF_PATH else "critical_path")
+    measure = entry.get("measure", "worst_rank" if category in WAITING else "critical_path")
     if measure not in MEASURES:
         raise ValueError(f"measure = {measure!r}: expected one of {', '.join(MEASURES)}")
     if "measure" in entry and not category:

@@ -31,7 +31,6 @@ from enum import IntEnum
 
 import numpy as np
 
-from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .align import Alignment
 from .matching import Matches

@@ -15,25 +15,18 @@ from .spantable import SpanTable
 
 _NONE = np.empty(0, dtype=np.int64)
 
-# Who must wait for whom in a collective by its definition, by op name (lower case, no
-# underscores, as a prefix: all_gather_into_tensor is an allgather). Alignment makes clock
-# facts from N x N ops only (every entry before every exit): a rooted op may let some leave
-# early (an NCCL broadcast's root, with a small message). The DAG's wait model is N x N for
-# every op, as gloo and NCCL behave (collector/dag.py).
-N_X_N, ONE_TO_ALL, ALL_TO_ONE = "n_x_n", "one_to_all", "all_to_one"
-COLLECTIVE_PATTERNS = (("allreduce", N_X_N), ("allgather", N_X_N), ("reducescatter", N_X_N), ("alltoall", N_X_N),
-                       ("barrier", N_X_N), ("monitoredbarrier", N_X_N),
-                       ("broadcast", ONE_TO_ALL), ("scatter", ONE_TO_ALL), ("reduce", ALL_TO_ONE), ("gather", ALL_TO_ONE))
+# Collectives whose definition makes everyone wait for the last to enter (every entry comes
+# before every exit), by op name (lower case, no underscores, as a prefix:
+# all_gather_into_tensor is an allgather). Alignment makes clock facts from these only: a
+# rooted op (broadcast, scatter, reduce, gather) may let some leave early (an NCCL
+# broadcast's root, with a small message). The DAG's wait model is N x N for every op, as
+# gloo and NCCL behave (collector/dag.py).
+N_X_N_OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "barrier", "monitoredbarrier")
 
 
-def collective_pattern(op: str) -> str | None:
-    """N_X_N (everyone waits for the last to enter), ONE_TO_ALL (the others wait for the
-    root), ALL_TO_ONE (the root waits for everyone), or None for an op not in the table."""
-    name = op.lower().replace("_", "")
-    for prefix, pattern in COLLECTIVE_PATTERNS:
-        if name.startswith(prefix):
-            return pattern
-    return None
+def is_n_x_n(op: str) -> bool:
+    """Whether every member of collective `op` must enter before any leaves."""
+    return op.lower().replace("_", "").startswith(N_X_N_OPS)
 
 
 # gRPC statuses a client gives a call it gave up on itself (its deadline, a cancel, a lost

@@ -186,11 +186,10 @@ def _critical_paths(at, labels: _Labels, out: list) -> None:
     last = np.r_[first[1:], len(p)] - 1
     error = np.maximum.reduceat(p.error, first)
     src_node = np.where(p.src[first] >= 0, dag.node[np.maximum(p.src[first], 0)], node[first])
-    names = attribution.CATEGORIES + ("remote",)
     for f, l, e, sn in zip(first.tolist(), last.tolist(), error.tolist(), src_node.tolist()):
         start, end, n = int(p.start[f]), int(p.end[l]), int(node[f])
         duration = end - start
-        segment = {"start_ns": start, "duration_ns": duration, "category": names[cat[f]],
+        segment = {"start_ns": start, "duration_ns": duration, "category": attribution.NAMES[cat[f]],
                    **labels.node(n), **labels.span(int(row[f])), "error_ns": e,
                    "confidence": round(1.0 - min(1.0, e / duration), 4) if e and duration else float(not e)}
         if sn != n:
@@ -206,26 +205,20 @@ def _per_rank(at, labels: _Labels, out: list) -> None:
             "attribution": _ns(at.per_rank[g]), "remote_ns": int(at.per_rank[g, attribution.REMOTE])}
 
 
-# A straggler's delay cost less its own waiting, at least this share of its trace's duration.
-# Balanced GPipe stages (40 ms per action, 400 ms steps) on a loaded 2-core machine came to
-# +0.8 to +11.6 ms (up to 2.8 %) on one stage, by their sleeps' overshoot alone.
-STRAGGLER_SHARE = 0.05
-
-
 def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
     """Per trace: the straggler, the span it was busy with, the cost per node, and the worst
     single waits. The straggler is the node whose late entries made others wait longest (its
     delay cost) less the time it waited itself: in a chain (a pipeline, a ring) a rank held
     up by a slow one holds up the next one in turn, and its own cost is passed on to it;
     the rank that waited for nobody is where the delay began. Where no rank held others up
-    longer than it waited itself by STRAGGLER_SHARE of the trace, none is named: the stages
+    longer than it waited itself by STRAGGLER_SHARE (attribution.py) of the trace, none is named: the stages
     of a pipeline wait for each other by its schedule (its fill and drain, counted as
     bubble), and naming the one a few percent ahead showed a stage waiting in irecv as
     the straggler."""
     w, t, m = at.waits, labels.t, at.matches
     delay = _delay_costs(at.dag, t, len(out), len(labels.nodes))
     waited = np.zeros_like(delay)
-    waiting = [attribution.C[c] for c in ("collective.wait", "p2p.wait", "bubble")]
+    waiting = [attribution.C[c] for c in attribution.WAITING]
     waited[at.group_trace, at.group_node] = at.per_rank[:, waiting].sum(axis=1)
     order, bounds = _by_trace(w.trace, len(out))
     for tr in range(len(out)):
@@ -239,7 +232,7 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
             continue
         net = np.where(cost > 0, cost - waited[tr], np.iinfo(np.int64).min)
         worst = int(np.argmax(net))
-        if net[worst] < STRAGGLER_SHARE * (at.dag.trace_end[tr] - at.dag.trace_start[tr]) \
+        if net[worst] < attribution.STRAGGLER_SHARE * (at.dag.trace_end[tr] - at.dag.trace_start[tr]) \
                 or not (late_node == worst).any():
             continue   # each rank waited about as long as it held others up: a pipeline's fill and drain
         own = sel[late_node == worst][0]     # its costliest wait
@@ -373,7 +366,6 @@ def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dic
     key, _ = dense(where_id[node], span, at.segment_category)
     length = p.end - p.start
     offset = p.start - dag.trace_start[p.trace]
-    names = attribution.CATEGORIES + ("remote",)
     out = {}
     for k, name in enumerate(kind_names):
         members = trace_order[trace_bounds[k]:trace_bounds[k + 1]]
@@ -396,7 +388,7 @@ def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dic
         segments = []
         for j, s in enumerate(example.tolist()):
             r = int(row[s])
-            w, category = where[node[s]], names[at.segment_category[s]]
+            w, category = where[node[s]], attribution.NAMES[at.segment_category[s]]
             span_name = t.names[t.name[r]] if r >= 0 else None
             segments.append({"segment": segment_label(w, span_name, category), "node": w, "span": span_name,
                              "category": category, "traces": int(present[:, j].sum()),
@@ -408,7 +400,7 @@ def kind_summaries(t: SpanTable, at: "attribution.Attribution", traces: list[dic
             "traces": int(n),
             "duration": {stat: int(round(v)) for stat, v in _stats(durations).items()},
             "attribution": {c: {stat: int(round(v[i])) for stat, v in by_category.items()}
-                            for i, c in enumerate(names) if critical[:, i].any()},
+                            for i, c in enumerate(attribution.NAMES) if critical[:, i].any()},
             "segments": segments}
         labels = [segment["segment"] for segment in segments]
         for i, tr in enumerate(members.tolist()):

@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from ..proto import pb
+from ..proto import MAX_MESSAGE_BYTES, SERVICE, pb
 from ..proto.endpoint import split_host_port
 from .columns import BadBatch
 from .ingest import CheckedBatch, StoreUnavailable, TooLarge, check, decode
@@ -28,8 +28,6 @@ from .udp_clock import UdpClockResponder
 
 log = logging.getLogger("crosstrace.collector")
 
-SERVICE = "crosstrace.v1.Collector"
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 class Writer:

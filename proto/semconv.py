@@ -32,6 +32,7 @@ OTEL_KINDS = {"CLIENT": Kind.RPC_CLIENT, "SERVER": Kind.RPC_SERVER, "PRODUCER": 
 # Overrides the span kind when set on a plain OpenTelemetry span ("compute", "data", ...).
 KIND = "crosstrace.kind"
 KIND_BY_NAME = {k.name.lower(): k for k in Kind}   # the values KIND takes
+KIND_NAMES = {k.value: name for name, k in KIND_BY_NAME.items()}   # and back: what exports name a kind
 
 # Training steps: the trace id of step k is derived from (job_id, k) on every rank.
 STEP = "crosstrace.step"

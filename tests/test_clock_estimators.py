@@ -153,14 +153,6 @@ def test_long_calls_on_a_drifting_clock_are_kept():
     assert fit(exchange.from_exchanges([0], [5000], [6000], [100]), "udp").flags == ("invalid_samples:1",)
 
 
-def test_min_delay_per_burst_keeps_the_quickest_exchange():
-    b, _ = exchanges(Truth(0.0, 0.0), seconds=50, every_s=5.0, burst=8)
-    best = exchange.min_delay_per_burst(b, gap_ns=500_000_000)
-    assert len(best) == 10
-    widths = b.sorted().width.reshape(10, 8)
-    assert np.array_equal(best.width, widths.min(axis=1))
-
-
 def test_polygon_extent_matches_brute_force():
     rng = np.random.default_rng(3)
     poly = geometry.box(-1e5, 1e5, 1e3)

@@ -524,7 +524,7 @@ def test_both_ways_to_start_a_span_queue_the_same_record():
     from crosstrace.tracer.provider import Tracer
 
     queue = ExportQueue(Clock(), max_queue=4, batch_size=100)
-    tracer = Tracer(queue, "t")
+    tracer = Tracer(queue)
     link = Link(trace.SpanContext(5, 6, False))
     for kind, attributes, links in ((SpanKind.INTERNAL, None, None),
                                     (SpanKind.SERVER, {"x": [1, 2], "crosstrace.kind": "compute"}, [link])):

@@ -815,7 +815,7 @@ def test_queued_spans_leave_nothing_for_the_garbage_collector():
     from crosstrace.tracer.provider import Tracer
 
     queue = ExportQueue(Clock(), max_queue=100, batch_size=100)
-    tracer = Tracer(queue, "t")
+    tracer = Tracer(queue)
     for i in range(10):
         with tracer.start_as_current_span("with", attributes={"i": i, "s": "x", "f": 1.5}):
             pass

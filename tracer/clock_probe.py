@@ -21,12 +21,11 @@ from urllib.parse import unquote
 import grpc
 
 from ..clock_sync import ntp, ptp, udp
-from ..proto import pb
+from ..proto import CLOCK_METHOD, pb
 from ..proto.endpoint import split_host_port
 
 log = logging.getLogger("crosstrace.tracer")
 
-_CLOCK_METHOD = "/crosstrace.v1.Collector/ExchangeClock"
 _PROBE_TIMEOUT_S = 0.2
 _FIRST_BURST_S = 0.2         # the first burst, as the exporter's first round: soon after start
 _UDP_GIVE_UP_AFTER = 3       # rounds UDP went unanswered where gRPC answered, before UDP is left alone
@@ -117,7 +116,7 @@ class ClockProber:
         the collector can place one answered before it came back on another clock (a batch
         held while it was away)."""
         exchange = self._get_channel().unary_unary(
-            _CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
+            CLOCK_METHOD, request_serializer=pb.ClockProbe.SerializeToString,
             response_deserializer=pb.ClockProbeReply.FromString)
         clock_now, node = self.clock.now, self.cfg.node_id
         answered, clock = False, ""

@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - another grpc layout: imported on first use then
     pass
 
-from ..proto import pb
+from ..proto import EXPORT_METHOD, MAX_MESSAGE_BYTES, pb
 from ..proto.semconv import CLOCK_LABEL
 from ..proto.endpoint import is_loopback, split_host_port
 from . import orphans
@@ -41,8 +41,6 @@ from .spool import ChildBatches, Spool, child_spool, parent_sends, remove_if_aba
 
 log = logging.getLogger("crosstrace.tracer")
 
-_EXPORT_METHOD = "/crosstrace.v1.Collector/Export"
-MAX_MESSAGE_BYTES = 64 << 20          # gRPC's message limit, here and at the collector
 MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 4   # a batch larger than this goes in parts
 BATCH_TARGET_BYTES = 1 << 20               # what a batch is sized for (see _part_size)
 # The first round (its clock-probe burst) comes soon, so that even a short-lived process has
@@ -762,7 +760,7 @@ class Exporter:
             return self._requests
         if self._retry_at is not None and time.monotonic() < self._retry_at:
             return None
-        export = self._get_channel().stream_stream(_EXPORT_METHOD, request_serializer=None,
+        export = self._get_channel().stream_stream(EXPORT_METHOD, request_serializer=None,
                                                    response_deserializer=pb.ExportAck.FromString)
         requests = _RequestStream(self._let_go)
         with self._lock:

@@ -72,12 +72,11 @@ _KINDS = frozenset(Kind)
 
 
 class Tracer(trace_api.Tracer):
-    __slots__ = ("_queue", "_now", "scope")
+    __slots__ = ("_queue", "_now")
 
-    def __init__(self, queue: ExportQueue, scope: str):
+    def __init__(self, queue: ExportQueue):
         self._queue = queue
         self._now = queue.now
-        self.scope = scope
 
     def start_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
                    start_time=None, record_exception=True, set_status_on_exception=True):
@@ -300,7 +299,7 @@ class ScopedSpan(Span):
         """Used as a decorator (`@tracer.start_as_current_span(...)`): each call gets a new
         span like this one; this one is never entered nor exported."""
         links = self.extras.links if self.extras is not None else None
-        return traced_calls(func, functools.partial(Tracer(self._sink, "").start_as_current_span, self.name, None,
+        return traced_calls(func, functools.partial(Tracer(self._sink).start_as_current_span, self.name, None,
                                           self.kind, self.attributes, links))
 
 
@@ -389,7 +388,7 @@ class TracerProvider(trace_api.TracerProvider):
                    schema_url=None, attributes=None) -> trace_api.Tracer:
         if self._shutdown or self.config.disabled:
             return trace_api.NoOpTracer()
-        return Tracer(self._queue, instrumenting_module_name)
+        return Tracer(self._queue)   # the scope is not recorded (README)
 
     @property
     def dropped_spans(self) -> int:

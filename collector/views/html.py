@@ -12,12 +12,12 @@ import html
 
 import numpy as np
 
-from ...proto.semconv import Kind, Status
+from ...proto.semconv import KIND_NAMES, Status
 from .. import attribution
 from ..wording import counted
 from .terminal import clocks_to_show, errors_line, fmt_ns, largest_segments, slowest_first, stragglers_line
 
-NAMES = attribution.CATEGORIES + ("remote",)
+NAMES = attribution.NAMES
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
            "collective.wait": "#e15759", "collective.transfer": "#ff9d9a", "p2p.wait": "#b07aa1",
            "p2p.transfer": "#d4a6c8", "bubble": "#edc948", "host.overhead": "#bab0ac",
@@ -44,10 +44,6 @@ document.querySelectorAll('.legend span').forEach(function (item) {
   });
 });
 """
-
-
-def _kind(code: int) -> Kind:
-    return Kind(code) if code in Kind._value2member_map_ else Kind.INTERNAL
 
 
 def _cls(category: str) -> str:
@@ -114,9 +110,8 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     # Colours as the per-rank breakdown counts them (attribution decides, not this view).
     pipeline = at.group_pipeline[at.group]
     for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(kinds[rows], pipeline[rows]).tolist()):
-        kind = _kind(int(t.kind[r]))
         y0 = top[int(t.node[r])] + d * ROW
-        title = f"{t.names[t.name[r]]} ({kind.name.lower()}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
+        title = f"{t.names[t.name[r]]} ({KIND_NAMES.get(int(t.kind[r]), 'internal')}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
         outline = ' stroke="#fff" stroke-width="0.5"'
         if t.status[r] == Status.ERROR:
             message = t.extras.get(r, {}).get("status_message")

@@ -26,7 +26,6 @@ from ..columns import loads
 from . import entries, placed_attributes
 
 _OTEL_KIND = {kind: trace_pb2.Span.SpanKind.Value(f"SPAN_KIND_{name}") for name, kind in sc.OTEL_KINDS.items()}
-_KIND_NAMES = {k.value: name for name, k in sc.KIND_BY_NAME.items()}
 
 
 @dataclasses.dataclass
@@ -153,7 +152,7 @@ def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span"
     kind = int(t.kind[row])
     attrs = dict(placed_attributes(t.attributes[row], lambda local: list(map(event_time, local))))
     if kind not in _OTEL_KIND and kind != Kind.INTERNAL:
-        attrs[sc.KIND] = _KIND_NAMES.get(kind, str(kind))
+        attrs[sc.KIND] = sc.KIND_NAMES.get(kind, str(kind))
     if al.error[row] < UNBOUNDED_NS:
         attrs[sc.ERROR_BOUND_NS] = int(al.error[row])
     extra = t.extras.get(row, {})

@@ -13,13 +13,12 @@ back-to-back critical-path segments overlap and Perfetto drop one of the two.
 """
 import numpy as np
 
-from ...proto.semconv import Kind
+from ...proto.semconv import KIND_NAMES
 from .. import attribution
 from ..columns import dumps
 from ..dag import Edge, dense
 from . import PLAIN, aligned_attributes, open_output, outcome
 
-_KINDS = {k.value: k.name.lower() for k in Kind}
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
           Edge.COMPLETE: "collective"}
 _TRUNCATED = 0.0001   # us added to every time and duration (see above)
@@ -99,7 +98,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
     for i in range(n):
         attrs = aligned_attributes(t, al, i)
         args = {"trace_id": t.trace_ids[t.trace[i]], "span_id": f"{int(t.span_id[i]):016x}",
-                "kind": _KINDS.get(int(t.kind[i]), str(t.kind[i])), "error_bound_ns": int(al.error[i])}
+                "kind": KIND_NAMES.get(int(t.kind[i]), str(t.kind[i])), "error_bound_ns": int(al.error[i])}
         if t.parent_id[i]:
             args["parent_span_id"] = f"{int(t.parent_id[i]):016x}"
         if on_path[i]:
@@ -128,7 +127,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
     cp_pid = len(t.nodes) + 1
     events.append({"ph": "M", "name": "process_name", "pid": cp_pid, "args": {"name": "critical path"}})
     events.append({"ph": "M", "name": "process_sort_index", "pid": cp_pid, "args": {"sort_index": -1}})
-    names = attribution.CATEGORIES + ("remote",)
+    names = attribution.NAMES
     for tr in np.unique(paths.trace).tolist():
         cp_tid = n_lanes + 1 + tr
         events.append({"ph": "M", "name": "thread_name", "pid": cp_pid, "tid": cp_tid,

@@ -55,11 +55,6 @@ def register(sub) -> None:
     p.set_defaults(func=run_export)
 
 
-def build_report(store_path: str, trace_ids=None, quiet: bool = False):
-    report, analysed, _ = analyse_report(store_path, trace_ids, quiet)
-    return report, analysed
-
-
 def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_file: str | None = None,
                    last: int | None = None):
     """(report dict, Analysed, Attribution) of a store (its last `last` ns of data); budgets
