@@ -10,6 +10,7 @@ import inspect
 import multiprocessing.util as mp_util
 import os
 import random
+import signal
 import threading
 import weakref
 
@@ -374,6 +375,8 @@ class TracerProvider(trace_api.TracerProvider):
         self._exporter = None if cfg.disabled else Exporter(cfg, self.clock, self._queue)
         self._shutdown = False
         self._flushed = True
+        self._shutting_down = None          # the thread running shutdown(), while it does
+        self._shut_down = threading.Event()   # set once shutdown() is done
         self._lock = threading.Lock()
         _providers.add(self)   # for the process's exit and fork hooks (below)
         # multiprocessing children (DataLoader workers) leave by os._exit, skipping atexit, and
@@ -419,11 +422,29 @@ class TracerProvider(trace_api.TracerProvider):
         return self._exporter.flush(timeout_millis / 1000) and self._exporter.dropped == given_up
 
     def shutdown(self, timeout_millis: int | None = None) -> bool:
-        """Flush what is queued (bounded by `timeout_millis`, default the exit timeout), then stop."""
+        """Flush what is queued (bounded by `timeout_millis`, default the exit timeout), then
+        stop. A call while another thread's shutdown runs waits for it (within the exit
+        timeout), and returns what it found."""
+        global _end_after_shutdown
         with self._lock:
-            if self._shutdown:
-                return self._flushed   # what the first shutdown found
-            self._shutdown = True
+            first, self._shutdown = not self._shutdown, True
+            if first:
+                self._shutting_down = threading.get_ident()
+        if not first:
+            if self._shutting_down not in (None, threading.get_ident()):
+                self._shut_down.wait(self.config.exit_flush_timeout_s)
+            return self._flushed
+        try:
+            self._flushed = self._stop(timeout_millis)
+        finally:
+            self._shutting_down = None
+            self._shut_down.set()
+        if _end_after_shutdown:   # SIGTERM came during this shutdown (_hand_over_and_terminate)
+            _end_after_shutdown = False
+            _shut_down_and_terminate()
+        return self._flushed
+
+    def _stop(self, timeout_millis: int | None) -> bool:
         if self._exporter is None:
             return True
         for settle in _before_shutdown:
@@ -438,7 +459,7 @@ class TracerProvider(trace_api.TracerProvider):
         queue, dropped_before = self._queue, self._queue.dropped
         queue.max_entries = 0
         timeout = self.config.exit_flush_timeout_s if timeout_millis is None else timeout_millis / 1000
-        self._flushed = self._exporter.shutdown(timeout)
+        flushed = self._exporter.shutdown(timeout)
         left = len(queue.queue) // FIELDS   # ended by a thread between its check and its append
         queue.queue.clear()
         queue.dropped += left
@@ -446,10 +467,13 @@ class TracerProvider(trace_api.TracerProvider):
         if late:
             log.warning("crosstrace: %d spans that ended while the tracer shut down were dropped "
                         "(threads still running at shutdown or at exit)", late)
-        return self._flushed
+        return flushed
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
+        self._shutting_down, done, self._shut_down = None, self._shut_down.is_set(), threading.Event()
+        if done:
+            self._shut_down.set()
         self._queue.reset_after_fork()
         if self._exporter is not None and not self._shutdown:
             self._exporter = self._exporter.restart_after_fork()
@@ -500,6 +524,50 @@ def _after_fork_in_parent() -> None:
 def _after_fork() -> None:
     for provider in list(_providers):
         provider._after_fork_in_child()
+    if any(provider._exporter is not None and not provider._shutdown for provider in _providers):
+        _shut_down_on_sigterm()
+
+
+def _shut_down_on_sigterm() -> None:
+    """In a forked child: SIGTERM shuts its tracers down (hands its last spans over) before
+    it ends the process, as it would have. `with multiprocessing.Pool() as p:` ends its
+    workers so (Pool.terminate()), and lost up to an export interval of their spans,
+    uncounted. Only where SIGTERM has its default action: a program's own handler stays.
+    The handler runs when the child's main thread next runs Python: at once in a blocking
+    read (an idle Pool worker), after it for a long call into C."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    try:
+        signal.signal(signal.SIGTERM, _hand_over_and_terminate)
+    except ValueError:   # pragma: no cover - forked from a thread CPython does not make the main one
+        pass
+
+
+_end_after_shutdown = False   # SIGTERM came in the middle of a shutdown on the thread it runs on
+
+
+def _hand_over_and_terminate(signum, frame) -> None:
+    global _end_after_shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a second SIGTERM ends the process at once
+    me = threading.get_ident()
+    if any(provider._shutting_down == me for provider in list(_providers)):
+        # A worker ending anyway (Pool's sentinel), in its exit's shutdown: that goes on, then
+        # ends the process. (Shut down again here, it found it begun and the process ended.)
+        _end_after_shutdown = True
+        return
+    _shut_down_and_terminate()
+
+
+def _shut_down_and_terminate() -> None:
+    """Shut every tracer down, then end the process by SIGTERM as it would have ended. The
+    shutdown runs on a thread of its own, bounded: the thread a signal interrupted may hold
+    a lock that it needs."""
+    providers = list(_providers)
+    worker = threading.Thread(target=lambda: [provider.shutdown() for provider in providers],
+                              name="crosstrace-sigterm", daemon=True)
+    worker.start()
+    worker.join(max((provider.config.exit_flush_timeout_s for provider in providers), default=0) + 1)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 atexit.register(_at_exit)
