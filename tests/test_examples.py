@@ -25,9 +25,10 @@ pytest.importorskip("torch.distributed.pipelining")
 MS = 1_000_000
 
 
-def torchrun(script: str, args: list[str], env: dict, timeout_s: float = 120) -> str:
-    """`python -m torch.distributed.run --nproc-per-node 2 script args`; the whole process
-    group (torchrun and its ranks) is killed if it outlives the timeout."""
+def torchrun(script: str, args: list[str], env: dict, timeout_s: float = 120, exit_code: int = 0) -> str:
+    """`python -m torch.distributed.run --nproc-per-node 2 script args` (a script of
+    examples/, or a path); the whole process group (torchrun and its ranks) is killed if it
+    outlives the timeout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(REPO, "examples", script), *args]
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -38,7 +39,7 @@ def torchrun(script: str, args: list[str], env: dict, timeout_s: float = 120) ->
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=10)
         pytest.fail(f"{script} did not finish within {timeout_s} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-4000:]}"
+    assert proc.returncode == exit_code, f"{script} exited {proc.returncode}:\n{out[-4000:]}"
     return out
 
 
@@ -71,6 +72,36 @@ def test_pipeline_example_under_torchrun(collector):
     assert len(compute) == 2 * 2 * 2 * 4  # steps x ranks x (F, B) x microbatches
     pairs = check_p2p_pairs(rows)
     assert len([s for s, _ in pairs if sc.PP_ACTION in s["a"]]) == 2 * 2 * 4  # steps x (F, B) x microbatches
+
+
+FAILING_RANK = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import crosstrace
+crosstrace.init(job_id="fails")
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = crosstrace.instrument_ddp(DDP(nn.Linear(32, 32)))
+for k in range(4):
+    with crosstrace.step(k, name="failing-step"):
+        loss = model(torch.randn(8, 32)).sum()
+        if rank == 1 and k == 2:
+            raise RuntimeError("rank 1 fails")
+        loss.backward()
+"""
+
+
+def test_a_rank_that_torchrun_ends_after_another_failed_keeps_its_spans(collector, tmp_path):
+    """When one rank fails, torchrun ends the others by SIGTERM. The other rank's spans were
+    all lost: its steps waited for the next round (5 s), and its exit for DDP's buckets,
+    which a failed all-reduce leaves in flight."""
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING_RANK)
+    out = torchrun(str(script), [], {"CROSSTRACE_ENDPOINT": collector.address}, exit_code=1)
+    assert "rank 1 fails" in out
+    steps = {(r["rank"], r["a"][sc.STEP]): r["status"] for r in spans(collector) if r["name"] == "failing-step"}
+    assert steps == {(0, 0): Status.UNSET, (0, 1): Status.UNSET, (0, 2): Status.ERROR,
+                     (1, 0): Status.UNSET, (1, 1): Status.UNSET, (1, 2): Status.ERROR}, out[-3000:]
 
 
 def test_training_demos_find_what_they_inject(collector):

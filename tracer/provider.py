@@ -447,6 +447,7 @@ class TracerProvider(trace_api.TracerProvider):
     def _stop(self, timeout_millis: int | None) -> bool:
         if self._exporter is None:
             return True
+        self._queue.wake()   # what is queued goes now: settling the instrumentation can outlast a SIGTERM's wait
         for settle in _before_shutdown:
             try:
                 settle()

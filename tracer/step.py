@@ -223,10 +223,13 @@ class Step:
     def __exit__(self, exc_type, exc, tb) -> bool:
         span = self._leave()
         if span.__class__ is not UnsampledSpan and span.is_recording():
-            if isinstance(exc, Exception):
+            failed = isinstance(exc, Exception)
+            if failed:
                 span.record_exception(exc, escaped=True)
                 span.set_status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}")
             span.end()
+            if failed:   # sent now: torchrun ends the other ranks by SIGTERM when one fails, before its next round
+                span._sink.wake()
         return False
 
     def discard(self) -> None:
