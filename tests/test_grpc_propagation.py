@@ -57,7 +57,7 @@ def load(collector):
                       "kind": int(table.kind[i]), "status": int(table.status[i]),
                       "trace": table.trace_ids[table.trace[i]], "id": int(table.span_id[i]),
                       "parent": int(table.parent_id[i]), "start": int(table.start[i]), "end": int(table.end[i]),
-                      "attributes": table.attributes[i] or {}})
+                      "attributes": table.attributes[i] or {}, "extras": table.extras.get(i, {})})
     return spans, samples
 
 
@@ -117,6 +117,12 @@ def check_statuses(spans) -> None:
     crashed = [s for s in spans if s["name"].endswith("/Crash")]
     assert {s["status"] for s in crashed} == {2}
     assert {s["attributes"][sc.RPC_GRPC_STATUS] for s in crashed} == {grpc.StatusCode.UNKNOWN.value[0]}
+    crash = next(s for s in crashed if s["kind"] == Kind.RPC_SERVER)
+    assert [e[0] for e in crash["extras"]["events"]] == ["exception"]
+    # An abort with UNKNOWN (an upstream's status passed on) is no crash: its details, no exception.
+    passed_on = next(s for s in spans if s["name"].endswith("/PassOn") and s["kind"] == Kind.RPC_SERVER)
+    assert passed_on["status"] == 2 and passed_on["extras"]["status_message"] == "UNKNOWN: upstream said no"
+    assert "events" not in passed_on["extras"]
 
 
 # -- sync -------------------------------------------------------------------------------------
@@ -172,6 +178,9 @@ def test_sync_unary_and_streaming_across_two_hops(collector):
     def crash(request, context):
         raise RuntimeError("boom")
 
+    def pass_on(request, context):
+        context.abort(grpc.StatusCode.UNKNOWN, "upstream said no")
+
     middle, middle_address = sync_server(tiers["middle"], {
         "Unary": grpc.unary_unary_rpc_method_handler(lambda request, context: call_back(request, timeout=10)),
         "ServerStream": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([request] * 3)),
@@ -179,6 +188,7 @@ def test_sync_unary_and_streaming_across_two_hops(collector):
         "BidiStream": grpc.stream_stream_rpc_method_handler(lambda requests, context: (r for r in requests)),
         "Fail": grpc.unary_unary_rpc_method_handler(fail),
         "Crash": grpc.unary_unary_rpc_method_handler(crash),
+        "PassOn": grpc.unary_unary_rpc_method_handler(pass_on),
     })
     channel = crosstrace.instrument_channel(grpc.insecure_channel(middle_address), tiers["client"])
     tracer = tiers["client"].get_tracer("test")
@@ -188,7 +198,8 @@ def test_sync_unary_and_streaming_across_two_hops(collector):
         assert channel.stream_unary("/test.Svc/ClientStream")(iter([b"c", b"d"]), timeout=10) == b"cd"
         assert list(channel.stream_stream("/test.Svc/BidiStream")(iter([b"e", b"f"]), timeout=10)) == [b"e", b"f"]
         assert channel.unary_unary("/test.Svc/Unary").future(b"g", timeout=10).result() == b"g"
-        for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN)):
+        for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN),
+                             ("PassOn", grpc.StatusCode.UNKNOWN)):
             with pytest.raises(grpc.RpcError) as err:
                 channel.unary_unary(f"/test.Svc/{method}")(b"x", timeout=10)
             assert err.value.code() == code
@@ -200,10 +211,11 @@ def test_sync_unary_and_streaming_across_two_hops(collector):
 
     spans, samples = load(collector)
     check_tree(spans, "root", ["test.Svc/Unary", "test.Svc/ServerStream", "test.Svc/ClientStream",
-                               "test.Svc/BidiStream", "test.Svc/Unary", "test.Svc/Fail", "test.Svc/Crash"])
+                               "test.Svc/BidiStream", "test.Svc/Unary", "test.Svc/Fail", "test.Svc/Crash",
+                               "test.Svc/PassOn"])
     check_statuses(spans)
     check_samples(samples, {("client", "middle"), ("middle", "back")})
-    check_sample_counts(samples, {("client", "middle"): 7, ("middle", "back"): 2})   # every call gave one
+    check_sample_counts(samples, {("client", "middle"): 8, ("middle", "back"): 2})   # every call gave one
 
 
 # -- asyncio ----------------------------------------------------------------------------------
@@ -244,6 +256,9 @@ async def aio_chain(tiers) -> None:
     async def crash(request, context):
         raise RuntimeError("boom")
 
+    async def pass_on(request, context):
+        await context.abort(grpc.StatusCode.UNKNOWN, "upstream said no")
+
     middle = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor(tiers["middle"])])
     middle.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", {
         "Unary": grpc.unary_unary_rpc_method_handler(unary),
@@ -252,6 +267,7 @@ async def aio_chain(tiers) -> None:
         "BidiStream": grpc.stream_stream_rpc_method_handler(bidi),
         "Fail": grpc.unary_unary_rpc_method_handler(fail),
         "Crash": grpc.unary_unary_rpc_method_handler(crash),
+        "PassOn": grpc.unary_unary_rpc_method_handler(pass_on),
     })])
     middle_port = middle.add_insecure_port("127.0.0.1:0")
     await middle.start()
@@ -268,7 +284,8 @@ async def aio_chain(tiers) -> None:
             assert [r async for r in channel.unary_stream("/test.Svc/ServerStream")(b"b", timeout=10)] == [b"b"] * 3
             assert await channel.stream_unary("/test.Svc/ClientStream")(requests(), timeout=10) == b"cd"
             assert [r async for r in channel.stream_stream("/test.Svc/BidiStream")(requests(), timeout=10)] == [b"c", b"d"]
-            for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN)):
+            for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN),
+                                 ("PassOn", grpc.StatusCode.UNKNOWN)):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await channel.unary_unary(f"/test.Svc/{method}")(b"x", timeout=10)
                 assert err.value.code() == code
@@ -284,11 +301,11 @@ def test_asyncio_unary_and_streaming_across_two_hops(collector):
     flush_all(tiers)
     spans, samples = load(collector)
     check_tree(spans, "aio-root", ["test.Svc/Unary", "test.Svc/ServerStream", "test.Svc/ClientStream",
-                                   "test.Svc/BidiStream", "test.Svc/Fail", "test.Svc/Crash"])
+                                   "test.Svc/BidiStream", "test.Svc/Fail", "test.Svc/Crash", "test.Svc/PassOn"])
     check_statuses(spans)
     check_samples(samples, {("client", "middle"), ("middle", "back")})
     # grpc.aio sends an abort's status at once, before the interceptor could add its trailer:
-    # the aborted call is the one without a sample.
+    # the aborted calls are the ones without a sample.
     check_sample_counts(samples, {("client", "middle"): 5, ("middle", "back"): 1})
 
 

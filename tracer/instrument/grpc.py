@@ -568,13 +568,20 @@ class _ServerCall:
             span.set_attribute(sc.RPC_GRPC_STATUS, 0)
         else:
             span.set_attribute(sc.RPC_GRPC_STATUS, code.value[0])
-            crashed = exc is not None and code is grpc.StatusCode.UNKNOWN   # not an abort: an exception
+            crashed = exc is not None and code is grpc.StatusCode.UNKNOWN and not _aborted(exc, context)
             if crashed:
                 span.record_exception(exc)
             if code in _SERVER_ERRORS:
                 details = f"{type(exc).__name__}: {exc}" if crashed else _details(context)
                 span.set_status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
         span.end()
+
+
+def _aborted(exc: BaseException, context) -> bool:
+    """Whether the handler ended by context.abort() (with UNKNOWN, say, to pass an upstream's
+    on), not by an exception of its own: grpc.aio raises AbortError for it, grpc a bare
+    Exception(), having noted the abort in the call's state."""
+    return isinstance(exc, grpc.aio.AbortError) or getattr(getattr(context, "_state", None), "aborted", False) is True
 
 
 def _code_of(exc: BaseException) -> grpc.StatusCode:
