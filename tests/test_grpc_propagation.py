@@ -259,6 +259,10 @@ async def aio_chain(tiers) -> None:
     async def pass_on(request, context):
         await context.abort(grpc.StatusCode.UNKNOWN, "upstream said no")
 
+    def blocking(request, context):   # a plain function: grpc.aio runs it in its thread pool
+        time.sleep(0.01)
+        return request
+
     middle = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor(tiers["middle"])])
     middle.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", {
         "Unary": grpc.unary_unary_rpc_method_handler(unary),
@@ -268,6 +272,7 @@ async def aio_chain(tiers) -> None:
         "Fail": grpc.unary_unary_rpc_method_handler(fail),
         "Crash": grpc.unary_unary_rpc_method_handler(crash),
         "PassOn": grpc.unary_unary_rpc_method_handler(pass_on),
+        "Blocking": grpc.unary_unary_rpc_method_handler(blocking),
     })])
     middle_port = middle.add_insecure_port("127.0.0.1:0")
     await middle.start()
@@ -284,6 +289,7 @@ async def aio_chain(tiers) -> None:
             assert [r async for r in channel.unary_stream("/test.Svc/ServerStream")(b"b", timeout=10)] == [b"b"] * 3
             assert await channel.stream_unary("/test.Svc/ClientStream")(requests(), timeout=10) == b"cd"
             assert [r async for r in channel.stream_stream("/test.Svc/BidiStream")(requests(), timeout=10)] == [b"c", b"d"]
+            assert await channel.unary_unary("/test.Svc/Blocking")(b"h", timeout=10) == b"h"
             for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN),
                                  ("PassOn", grpc.StatusCode.UNKNOWN)):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -301,12 +307,13 @@ def test_asyncio_unary_and_streaming_across_two_hops(collector):
     flush_all(tiers)
     spans, samples = load(collector)
     check_tree(spans, "aio-root", ["test.Svc/Unary", "test.Svc/ServerStream", "test.Svc/ClientStream",
-                                   "test.Svc/BidiStream", "test.Svc/Fail", "test.Svc/Crash", "test.Svc/PassOn"])
+                                   "test.Svc/BidiStream", "test.Svc/Blocking", "test.Svc/Fail", "test.Svc/Crash",
+                                   "test.Svc/PassOn"])
     check_statuses(spans)
     check_samples(samples, {("client", "middle"), ("middle", "back")})
     # grpc.aio sends an abort's status at once, before the interceptor could add its trailer:
     # the aborted calls are the ones without a sample.
-    check_sample_counts(samples, {("client", "middle"): 5, ("middle", "back"): 1})
+    check_sample_counts(samples, {("client", "middle"): 6, ("middle", "back"): 1})
 
 
 # -- binding, strangers, wire cost --------------------------------------------------------------

@@ -738,7 +738,7 @@ def _wrap_aio(b: _Binding, method, metadata, t2, behavior, streaming_response: b
             with _ServerCall(b, method, metadata, t2, context):
                 return await behavior(request, context)
         return traced
-    return None   # a sync handler on an aio server (migration thread pool): left untraced
+    return _wrap_sync(b, method, metadata, t2, behavior, streaming_response)   # run in its thread pool
 
 
 class AioServerInterceptor(_Bound, grpc.aio.ServerInterceptor):
