@@ -88,6 +88,8 @@ def parse_limit(text) -> tuple[float, bool]:
         if (ns := parse_ns(text)) is not None:
             return ns, False
         if m := _SHARE.match(text):
+            if float(m.group(1)) > 100:
+                raise ValueError(f"max = {text!r}: a share of the trace is at most 100%")
             return float(m.group(1)) / 100, True
     raise ValueError(f"max = {text!r}: expected a time like \"5ms\", \"250us\", \"1.5s\" or a share like \"10%\"")
 

@@ -2,6 +2,7 @@
 a number and a unit, ns, us (µs), ms, s, min, h or d. Two grammars took "90s" in both
 places but "250us" only in a budget and "2h" only on the command line. And one way to
 print one: the report printed "28.4 ms" and the budget check "28.4ms"."""
+import math
 import re
 
 UNITS_NS = {"ns": 1, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9, "min": 60e9, "h": 3600e9, "d": 86400e9}
@@ -20,9 +21,20 @@ def format_ns(ns, digits: int = 3, sep: str = " ") -> str:
     sep="" writes it as a budget file does ("5ms")."""
     if ns is None:
         return "-"
-    ns = float(ns)
+    ns = float(f"{float(ns):.{digits}g}")   # rounded first: 999,999 ns is "1 ms", not "1000 us"
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
         if abs(ns) >= scale:
             value = ns / scale
             return f"{value:.{digits}g}{sep}{unit}" if abs(value) < 10 ** (digits - 1) else f"{value:.0f}{sep}{unit}"
     return f"{ns:.0f}{sep}ns"
+
+
+def format_within(ns, bound_ns) -> str:
+    """ns to the digit its error bound reaches ("3.000161 s" known to 6 us, where format_ns
+    says "3 s"): an offset told apart from the injected one, or from yesterday's."""
+    if ns is None or not bound_ns or abs(ns) < 1e3:
+        return format_ns(ns)
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if abs(ns) >= scale:
+            decimals = min(9, max(0, math.ceil(math.log10(scale / bound_ns))))
+            return f"{ns / scale:.{decimals}f} {unit}"

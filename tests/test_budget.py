@@ -9,6 +9,7 @@ import pytest
 
 from crosstrace.collector import budgets
 from crosstrace.collector.attribution import attribute
+from crosstrace.collector.durations import format_ns, format_within
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import trace_details
 from crosstrace.commands.report import duration
@@ -57,6 +58,15 @@ max = "1.5s"
     assert duration("250us") == 250_000 and duration("1.5h") == 5_400 * 10**9
 
 
+def test_durations_print_as_people_read_them():
+    assert [format_ns(ns) for ns in (950, 28_400_000, 999_999, 999_999_999, None)] == \
+        ["950 ns", "28.4 ms", "1 ms", "1 s", "-"]
+    assert format_ns(5e6, 12, sep="") == "5ms" and format_ns(60_000_001, 8) == "60.000001 ms"
+    # an offset to the digit its error bound reaches: 3 s off by 161 us, known to 6 us
+    assert format_within(3_000_161_413, 5_930) == "3.000161 s" and format_within(-35e6, 3_920) == "-35.000 ms"
+    assert format_within(250e6, None) == "250 ms"
+
+
 @pytest.mark.parametrize("text,message", [
     ('[[budget]]\nspan = "x"\n', "missing max"),
     ('[[budget]]\nspan = "x"\nmax = "5 parsecs"\n', "expected a time"),
@@ -72,6 +82,7 @@ max = "1.5s"
     ('[budget]\nspan = "x"\n', "expected one or more [[budget]] tables"),
     ('budgets = 3\n', "unknown top-level keys: budgets"),
     ('[[budget]\n', "not valid TOML"),
+    ('[[budget]]\ncategory = "data"\nmax = "150%"\n', "at most 100%"),   # it held whatever happened
 ])
 def test_bad_files_say_what_and_where(tmp_path, text, message):
     with pytest.raises(budgets.BudgetError, match=message.replace("[", r"\[")) as info:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ...proto.semconv import KIND_NAMES, Status
 from .. import attribution
+from ..durations import format_within
 from ..wording import counted
 from .terminal import clocks_to_show, errors_line, fmt_ns, largest_segments, slowest_first, stragglers_line
 
@@ -197,7 +198,7 @@ def _clocks(report: dict) -> str:
     if clocks:
         nodes = clocks_to_show(clocks)
         rows = "".join(
-            f'<tr><td>{html.escape(node)}</td><td class="num">{fmt_ns(c["offset_ns"])}</td>'
+            f'<tr><td>{html.escape(node)}</td><td class="num">{format_within(c["offset_ns"], c["error_bound_ns"])}</td>'
             f'<td class="num">{c["drift_ppm"]:+.3f} ppm</td><td class="num">{fmt_ns(c["error_bound_ns"])}</td>'
             f'<td class="num">{c["samples"]}</td><td>{html.escape(", ".join(c["flags"])) or "-"}</td></tr>'
             for node, c in ((node, clocks[node]) for node in nodes))

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..durations import format_ns as fmt_ns
+from ..durations import format_within
 from ..wording import counted
 
 # Every name that comes from the traced program (spans, nodes, traces, budgets, the store's
@@ -122,7 +123,7 @@ def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS,
         table.add_column(col, justify="left" if col in ("node", "sources", "flags") else "right")
     for node in nodes:
         c = clocks[node]
-        cells = {"node": escape(node), "offset": fmt_ns(c["offset_ns"]), "drift": f"{c['drift_ppm']:+.3f} ppm",
+        cells = {"node": escape(node), "offset": format_within(c["offset_ns"], c["error_bound_ns"]), "drift": f"{c['drift_ppm']:+.3f} ppm",
                  "error bound": fmt_ns(c["error_bound_ns"]), "samples": str(c["samples"]),
                  "drift bound": "-" if c["drift_bound_ppm"] is None else f"{c['drift_bound_ppm']:.3f} ppm",
                  "sources": escape(", ".join(c["sources"])) or "-", "flags": escape(", ".join(c["flags"])) or "-"}

@@ -7,6 +7,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
+from ..collector.durations import format_within
 from ..collector.views import terminal
 from ..demo import WORKLOADS
 from .report import positive
@@ -61,7 +62,8 @@ def run(args) -> int:
         if got is None:
             continue
         injected = injected_offset_at(clock, epoch, got["at_local_ns"])
-        table.add_row(node, terminal.fmt_ns(injected), terminal.fmt_ns(got["offset_ns"]),
+        bound = got["error_bound_ns"]
+        table.add_row(node, format_within(injected, bound), format_within(got["offset_ns"], bound),
                       terminal.fmt_ns(got["offset_ns"] - injected), terminal.fmt_ns(got["error_bound_ns"]),
                       f"{clock['drift_ppm']:+.1f} ppm", _drift(got))
     console.print(table)
