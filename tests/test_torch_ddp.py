@@ -110,7 +110,11 @@ with warnings.catch_warnings(record=True) as caught:
     crosstrace.instrument_ddp(hooked)                                   # DDP allows one hook
     crosstrace.instrument_ddp(hooked)                                   # said once
     report["hooked_still_exact"] = same(user_hook, train(hooked, 30))
+    hooked_later = crosstrace.instrument_ddp(ddp())
+    hooked_later.register_comm_hook(None, default_hooks.allreduce_hook)   # replaces what crosstrace traces
+    train(hooked_later, 140, steps=1)
 report["warnings"] = [str(w.message) for w in caught if "crosstrace" in str(w.message)]
+report["warned_in"] = sorted({w.filename for w in caught if "crosstrace" in str(w.message)})
 
 train(crosstrace.instrument_ddp(ddp()), 40, steps=7, straggle_s=0.05)
 dist.destroy_process_group()
@@ -140,10 +144,12 @@ def test_gradients_are_exactly_ddps_own(ddp_job):
 def test_hook_that_cannot_apply_warns_once_and_training_goes_on(ddp_job):
     reports, rows = ddp_job
     for report in reports:
-        assert len(report["warnings"]) == 2, report["warnings"]
-        not_ddp, hooked = report["warnings"]
+        assert len(report["warnings"]) == 3, report["warnings"]
+        not_ddp, hooked, hooked_later = report["warnings"]
         assert "needs a DistributedDataParallel model, not Linear" in not_ddp
         assert "already has the comm hook allreduce_hook" in hooked and "instrument_ddp(model, hook=" in hooked
+        assert "allreduce_hook was registered on this DDP model after" in hooked_later
+        assert report["warned_in"] == ["<string>"]   # this code's lines, not torch's or crosstrace's
     step_of = step_traces(rows, "ddp-test")
     assert not [r for r in rows if r["kind"] == Kind.COLLECTIVE and 30 <= step_of[r["trace"]] < 40]
 

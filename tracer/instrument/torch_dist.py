@@ -88,8 +88,10 @@ def warn_once(key: str, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    level, frame = 2, sys._getframe(1)  # point the warning at the first caller outside crosstrace
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "crosstrace":
+    # Pointed at the first caller outside crosstrace and torch (which calls crosstrace's hooks
+    # and wrappers, torch.compiler.disable's among them): the user's line.
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("crosstrace", "torch"):
         level, frame = level + 1, frame.f_back
     warnings.warn(f"crosstrace: {message}", RuntimeWarning, stacklevel=level)
 
@@ -872,7 +874,13 @@ class BucketTracer:
                 self.tracing = _tracing()
                 self.backward_start = self.tracing.now()  # DDP's prepare_for_backward started its clock just before
             self.reducer = module.reducer
-            if self.hook is None and rebuilt != self.layout_of:
+            if self.hook is None and rebuilt != self.layout_of:   # early passes only: a hook comes before training
+                hooked = _comm_hook_of(module)
+                if hooked is not None:
+                    warn_once("ddp-hooked-later", f"the comm hook {hooked} was registered on this DDP model after "
+                                                  "crosstrace.instrument_ddp(): DDP runs it instead of the all-reduce "
+                                                  "crosstrace traces, so its buckets are not traced; pass it as "
+                                                  "crosstrace.instrument_ddp(model, hook=..., state=...) instead")
                 self.layout, final = _bucket_layout(module, self.param_index)
                 if final:
                     self.layout_of = rebuilt
