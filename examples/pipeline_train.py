@@ -6,8 +6,8 @@ microbatch and every activation and gradient transfer as spans.
     torchrun --nproc-per-node 2 examples/pipeline_train.py [--steps 10] [--schedule Schedule1F1B]
     crosstrace report --store traces.db
 
-One stage per rank. The collector is expected at 127.0.0.1:4327; set CROSSTRACE_ENDPOINT
-for another address.
+One stage per rank (two with ScheduleInterleaved1F1B: rank r holds stages r and r + world).
+The collector is expected at 127.0.0.1:4327; set CROSSTRACE_ENDPOINT for another address.
 """
 import argparse
 
@@ -22,7 +22,8 @@ import crosstrace
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--schedule", default="ScheduleGPipe", choices=("ScheduleGPipe", "Schedule1F1B"))
+    parser.add_argument("--schedule", default="ScheduleGPipe",
+                        choices=("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"))
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
 
@@ -31,11 +32,14 @@ def main() -> None:
     dist.init_process_group("gloo")             # "nccl" on GPUs
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
-    layers = nn.Sequential(nn.Linear(64, 64), nn.ReLU())  # this rank's part of the model
-    stage = pipelining.PipelineStage(layers, rank, world, torch.device("cpu"))
-    schedule = getattr(pipelining, args.schedule)(stage, n_microbatches=args.microbatches,
-                                                  loss_fn=nn.MSELoss())
-    opt = torch.optim.SGD(layers.parameters(), lr=0.01)
+    interleaved = args.schedule == "ScheduleInterleaved1F1B"
+    per_rank = 2 if interleaved else 1
+    parts = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(per_rank)]  # this rank's part of the model
+    stages = [pipelining.PipelineStage(part, rank + v * world, world * per_rank, torch.device("cpu"))
+              for v, part in enumerate(parts)]
+    schedule = getattr(pipelining, args.schedule)(stages if interleaved else stages[0],
+                                                  n_microbatches=args.microbatches, loss_fn=nn.MSELoss())
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.01)
     data = torch.Generator().manual_seed(0)  # the same batches on every rank
 
     for k in range(args.steps):

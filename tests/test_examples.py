@@ -74,6 +74,18 @@ def test_pipeline_example_under_torchrun(collector):
     assert len([s for s, _ in pairs if sc.PP_ACTION in s["a"]]) == 2 * 2 * 4  # steps x (F, B) x microbatches
 
 
+def test_interleaved_pipeline_example_under_torchrun(collector):
+    torchrun("pipeline_train.py", ["--steps", "2", "--schedule", "ScheduleInterleaved1F1B"],
+             {"CROSSTRACE_ENDPOINT": collector.address})
+    rows = spans(collector)
+    assert not [r for r in rows if r["status"] == Status.ERROR]
+    compute = [r for r in rows if r["kind"] == Kind.COMPUTE]
+    # rank r holds stages r and r + 2; each runs F and B of each microbatch in each step
+    assert {(r["rank"], r["a"][sc.PP_STAGE]) for r in compute} == {(0, 0), (0, 2), (1, 1), (1, 3)}
+    assert len(compute) == 2 * 4 * 2 * 4 and {r["a"][sc.PP_SCHEDULE] for r in compute} == {"ScheduleInterleaved1F1B"}
+    check_p2p_pairs(rows)
+
+
 FAILING_RANK = """
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
