@@ -13,7 +13,9 @@ _monotonic_ns = time.monotonic_ns
 
 
 class Clock:
-    """local(t) = t + offset_ns + drift_ppm * 1e-6 * (t - epoch_ns), t the real monotonic time."""
+    """local(t) = t + offset_ns + (t - epoch_ns) * ppb // 1e9, t the real monotonic time and ppb
+    the drift in whole parts per billion (round(drift_ppm * 1000)): integer arithmetic, so a
+    reading is exact however long the process runs."""
 
     __slots__ = ("offset_ns", "drift_ppm", "epoch_ns", "now", "_drift_ppb", "_wall_to_monotonic", "_wall_read_at")
 

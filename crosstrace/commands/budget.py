@@ -1,4 +1,4 @@
-"""`crosstrace budget check`: latency budgets as a CI gate (exit 1 when one is violated)."""
+"""`crosstrace budget check`: latency budgets as a CI gate (exit 1 when one is violated or has no data)."""
 import argparse
 import json
 
@@ -37,9 +37,9 @@ def register(sub) -> None:
                        description="Latency budgets: limits per span or attribution category, as time or "
                                    "share of the trace, at a percentile across traces.")
     budget_sub = p.add_subparsers(dest="budget_command", metavar="SUBCOMMAND", required=True)
-    check = budget_sub.add_parser("check", help="measure every budget; exit 1 if one is violated",
+    check = budget_sub.add_parser("check", help="measure every budget; exit 1 if one is violated or has no data",
                                   description="Print every budget with its measured value across traces and "
-                                              "the worst traces; exit 1 when one is violated.",
+                                              "the worst traces; exit 1 when one is violated or has no data.",
                                   epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     check.add_argument("--budget", required=True, metavar="FILE", help="budget file (TOML, see below)")
