@@ -24,6 +24,7 @@ from .align import Alignment, align, fit_models
 from .dag import dense
 from .matching import Matches, match
 from .spantable import SpanTable
+from .store import Store
 from .wording import counted
 from ..proto.semconv import Kind, Status
 
@@ -96,15 +97,45 @@ def clocks_section(models) -> dict:
     return out
 
 
-def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribution | None" = None) -> dict:
-    """The report dict; `budget_list` (budgets.load) adds the budgets section, `attributed`
-    reuses an attribution already computed for these spans."""
-    at = attributed or attribution.attribute(a.table, a.alignment, a.matches)
+def open_store(path: str, last: int | None = None) -> Store:
+    """The store to read, restricted to its last `last` ns of data when given."""
+    store = Store(path, readonly=True)
+    if last is not None:
+        store.keep_last(last)
+    return store
+
+
+def analyse_report(store_path: str, trace_ids=None, progress=None, budget_file: str | None = None,
+                   last: int | None = None):
+    """(report dict, Analysed, Attribution) of a store (its last `last` ns of data); budgets
+    from `budget_file` if given; `progress(message)` hears of each stage."""
+    budget_list = budgets.load(budget_file) if budget_file else None
+    store = open_store(store_path, last)
+    try:
+        analysed = analyse_store(store, trace_ids, progress=progress)
+        if progress:
+            progress("stitching traces, finding critical paths, attributing latency")
+        attributed = attribution.attribute(analysed.table, analysed.alignment, analysed.matches)
+        return build(store, analysed, budget_list, attributed), analysed, attributed
+    finally:
+        store.close()
+
+
+def traces_with_details(a: Analysed, at: "attribution.Attribution") -> list[dict]:
+    """Each trace's summary with its critical path, attribution, ranks and straggler."""
     traces = trace_summaries(a)
     index = {trace_id: i for i, trace_id in enumerate(a.table.trace_ids)}
     details = trace_details(a.table, at)
     for trace in traces:
         trace.update(details[index[trace["trace_id"]]])
+    return traces
+
+
+def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribution | None" = None) -> dict:
+    """The report dict; `budget_list` (budgets.load) adds the budgets section, `attributed`
+    reuses an attribution already computed for these spans."""
+    at = attributed or attribution.attribute(a.table, a.alignment, a.matches)
+    traces = traces_with_details(a, at)
     return {
         "store": store.path,
         "epoch_offset_ns": a.alignment.epoch_offset_ns,

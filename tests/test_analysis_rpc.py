@@ -24,7 +24,7 @@ import numpy as np
 from rich.console import Console
 
 from crosstrace.collector.views import terminal
-from crosstrace.commands.report import analyse_report
+from crosstrace.collector.report import analyse_report
 from crosstrace.netproxy import DelayProxy
 from crosstrace.proto.semconv import Kind
 
@@ -117,7 +117,7 @@ def test_uplink_and_downlink_through_delaying_proxy(collector):
             cloud.kill()
             cloud.wait(5)
 
-    report, analysed, _ = analyse_report(collector.store, quiet=True)
+    report, analysed, _ = analyse_report(collector.store)
     requests = [t for t in report["traces"] if t["name"] == "request"]
     assert len(requests) == REQUESTS
     truth = true_legs(analysed.table)
@@ -267,7 +267,7 @@ def test_concurrent_asyncio_calls_each_keep_their_own_path(collector):
             if server.poll() is None:
                 server.kill()
                 server.wait(5)
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     requests = [t for t in report["traces"] if t["name"] == "request"]
     assert len(requests) == 3
     for t in requests:

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from crosstrace.collector.attribution import attribute
 from crosstrace.collector.matching import match
-from crosstrace.collector.report import Analysed, kind_summaries, trace_details, trace_summaries
+from crosstrace.collector.report import Analysed, kind_summaries, traces_with_details
 from crosstrace.collector.views import terminal
 from crosstrace.proto.semconv import Kind
 
@@ -37,11 +37,7 @@ def summarise(spans, nodes):
     table, alignment = build(spans, nodes)
     analysed = Analysed(table, alignment, match(table))
     at = attribute(table, alignment, analysed.matches)
-    traces = trace_summaries(analysed)
-    details = trace_details(table, at)
-    index = {trace_id: i for i, trace_id in enumerate(table.trace_ids)}
-    for trace in traces:
-        trace.update(details[index[trace["trace_id"]]])
+    traces = traces_with_details(analysed, at)
     return traces, kind_summaries(table, at, traces)
 
 
@@ -132,10 +128,7 @@ def test_views_name_one_slowest_trace_and_only_categories_with_time():
     table, alignment = build(s.spans, {"n0": 0})
     analysed = Analysed(table, alignment, match(table))
     at = attribute(table, alignment, analysed.matches)
-    traces = trace_summaries(analysed)
-    details = trace_details(table, at)
-    for tr, d in zip(traces, details):
-        tr.update(d)
+    traces = traces_with_details(analysed, at)
     report = {"store": "s", "traces": traces, "budgets": [], "unmatched": {}, "clocks": {}, "dropped_spans": {},
               "rejected_spans": {}}
     console = Console(record=True, width=200)

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from crosstrace.commands.report import analyse_report
+from crosstrace.collector.report import analyse_report
 from crosstrace.launch import free_port
 
 from .conftest import launch_ranks, tracer_env
@@ -135,7 +135,7 @@ def steps(report: dict) -> list[dict]:
 
 def test_straggler_is_named_and_others_wait(collector):
     run_ranks(collector, STRAGGLER, 3, (2, 0.050))
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     traces = steps(report)
     assert len(traces) == 3
     for trace in traces:
@@ -164,7 +164,7 @@ def test_straggler_is_named_and_others_wait(collector):
 
 def test_pipeline_bubble_matches_the_schedule(collector):
     run_ranks(collector, PIPELINE, 2, (0.040, 0.040, -1, 0.0))
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     traces = steps(report)
     assert [t["pipeline"]["schedule"] for t in traces] == ["ScheduleGPipe", "Schedule1F1B"]
     p, m = 2, 4
@@ -187,7 +187,7 @@ def test_a_slow_pipeline_stage_is_the_straggler(collector):
     """Stage 1's compute takes 25 ms more per action: stage 0 waits for its activations'
     receipt and its gradients; stage 1 waits only through the fill."""
     run_ranks(collector, PIPELINE, 2, (0.030, 0.030, 1, 0.025))
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     for trace in steps(report):
         s = trace["straggler"]
         assert s is not None and (s["node"], s["rank"]) == ("trainer/rank1", 1), s

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from crosstrace.commands.report import analyse_report
+from crosstrace.collector.report import analyse_report
 from crosstrace.demo import ddp as ddp_demo
 from crosstrace.demo import pipeline as pipeline_demo
 from crosstrace.demo.workers import Workers
@@ -124,7 +124,7 @@ def test_training_demos_find_what_they_inject(collector):
         pipeline = pipeline_demo.run(workers, say=lambda message: None)
     finally:
         workers.stop_all()
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     check_ddp_demo(ddp, [t for t in report["traces"] if t["name"] == "ddp-step"])
     check_pipeline_demo(pipeline, [t for t in report["traces"] if t["name"] == "pipeline-step"])
     assert set(report["clocks"]) == {*(f"trainer-{rank}" for rank in range(ddp["ranks"])),

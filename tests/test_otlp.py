@@ -25,7 +25,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from crosstrace.collector import report as report_mod
 from crosstrace.collector import spantable
 from crosstrace.collector.store import Store
-from crosstrace.commands.report import analyse_report
+from crosstrace.collector.report import analyse_report
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind
 
@@ -309,7 +309,7 @@ def test_a_trace_through_an_otlp_service_is_on_one_timeline(collector):
     monotonic ones, and the trace lasted 57 years."""
     run_python(MIXED_CLIENT, tracer_env(collector, "edge"), timeout=90,
                args=(textwrap.dedent(OTEL_SERVICE), collector.address))
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     (trace,) = [t for t in report["traces"] if t["name"] == "request"]
     assert trace["nodes"] == 2 and 10 * MS <= trace["duration_ns"] < 60 * 10**9
     clock = report["clocks"]["otelhost/7"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import crosstrace
-from crosstrace.commands.report import analyse_report
+from crosstrace.collector.report import analyse_report
 from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind, Status
 from crosstrace.tracer.step import step_trace_id
@@ -192,7 +192,7 @@ def test_runs_of_one_job_keep_their_steps_apart(collector):
     assert len(outside) == 2 and table.trace[outside[0][0]] != table.trace[outside[1][0]]   # one per run
     assert len(matches.p2p) == 2 and all(run_of[send] == run_of[recv] and table.trace[send] == table.trace[recv]
                                          for send, recv in matches.p2p.tolist())
-    report, _, _ = analyse_report(collector.store, quiet=True)
+    report, _, _ = analyse_report(collector.store)
     assert not any(report["unmatched"].values()), report["unmatched"]
     loose = [t for t in report["traces"] if t["name"] == "all_reduce"]
     assert len(loose) == 2 and all(t["nodes"] == 2 and t["collectives"]["all_reduce"]["count"] == 1 for t in loose)

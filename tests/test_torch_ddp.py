@@ -417,12 +417,12 @@ def test_a_late_rank_is_waited_for_in_ddps_buffer_broadcast(tmp_path, mode):
     waits there for a late rank 1. Untraced, that wait counted as rank 0's compute and the
     straggler went unnamed. Also under torch.compile, where Dynamo traced into crosstrace's
     hooks and crashed."""
-    from crosstrace.commands.report import analyse_report
+    from crosstrace.collector.report import analyse_report
     from crosstrace.launch import CollectorProcess
 
     with CollectorProcess(str(tmp_path / "store.db")) as collector:
         reports = run_ranks(BUFFERS_WORKER, 2, collector, job_id=f"ddp-buffers-{mode}", args=(mode,))
-        report, _, _ = analyse_report(collector.store, quiet=True)
+        report, _, _ = analyse_report(collector.store)
     assert all(r["flushed"] for r in reports) and reports[0]["params"] == reports[1]["params"]
     steps = [t for t in report["traces"] if t["name"] == "step"]
     assert len(steps) == 4

@@ -51,10 +51,10 @@ def register(sub) -> None:
 
 
 def run_check(args) -> int:
-    from .report import analyse_report
+    from ..collector.report import analyse_report
 
     check_writable(args.json)
-    report, _, _ = analyse_report(args.store, args.trace, quiet=True, budget_file=args.budget, last=args.last)
+    report, _, _ = analyse_report(args.store, args.trace, budget_file=args.budget, last=args.last)
     results = report["budgets"]
     if args.json:
         text = json.dumps(results, indent=1)

@@ -2,8 +2,8 @@
 import json
 import sys
 
-from ..collector.report import analyse_store, clocks_section
-from .report import add_window, open_store
+from ..collector.report import analyse_store, clocks_section, open_store
+from .report import add_window
 
 
 def register(sub) -> None:

@@ -55,25 +55,6 @@ def register(sub) -> None:
     p.set_defaults(func=run_export)
 
 
-def analyse_report(store_path: str, trace_ids=None, quiet: bool = False, budget_file: str | None = None,
-                   last: int | None = None):
-    """(report dict, Analysed, Attribution) of a store (its last `last` ns of data); budgets
-    from `budget_file` if given."""
-    from ..collector import attribution, budgets
-    from ..collector import report as report_mod
-
-    budget_list = budgets.load(budget_file) if budget_file else None
-    store = open_store(store_path, last)
-    try:
-        analysed = report_mod.analyse_store(store, trace_ids, progress=None if quiet else progress)
-        if not quiet:
-            progress("stitching traces, finding critical paths, attributing latency")
-        attributed = attribution.attribute(analysed.table, analysed.alignment, analysed.matches)
-        return report_mod.build(store, analysed, budget_list, attributed), analysed, attributed
-    finally:
-        store.close()
-
-
 def check_writable(*paths: str | None) -> None:
     """Say now, before minutes of analysis, that an output cannot be written."""
     for path in paths:
@@ -89,10 +70,11 @@ def check_writable(*paths: str | None) -> None:
 
 
 def run_report(args) -> int:
+    from ..collector.report import analyse_report
     from ..collector.views import terminal
 
     check_writable(args.json, args.html)
-    report, analysed, attributed = analyse_report(args.store, args.trace, quiet=args.json == "-",
+    report, analysed, attributed = analyse_report(args.store, args.trace, None if args.json == "-" else progress,
                                                   budget_file=args.budget, last=args.last)
     if args.html:
         from ..collector.views import html
@@ -123,7 +105,7 @@ def run_export(args) -> int:
         raise ValueError(f"{'--otlp-header' if args.otlp_header else '--otlp-ca'} goes with --otlp ENDPOINT")
     headers = [_header(h) for h in args.otlp_header]
     check_writable(args.jsonl, args.perfetto)
-    store = open_store(args.store, args.last)
+    store = report_mod.open_store(args.store, args.last)
     try:
         analysed = report_mod.analyse_store(store, args.trace, progress=progress)
     finally:
@@ -157,16 +139,6 @@ def add_window(p) -> None:
     p.add_argument("--last", type=duration, metavar="DURATION",
                    help="only the spans that reached the store in its last DURATION of data (90s, 15min, 2h, "
                         "7d): a store kept for weeks costs what the window holds")
-
-
-def open_store(path: str, last: int | None = None):
-    """The store to read, restricted to its last `last` ns of data when given."""
-    from ..collector.store import Store
-
-    store = Store(path, readonly=True)
-    if last is not None:
-        store.keep_last(last)
-    return store
 
 
 def positive(text: str) -> int:

@@ -35,7 +35,7 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
     import importlib
 
     from ..collector.views import html, perfetto
-    from ..commands.report import analyse_report
+    from ..collector.report import analyse_report
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"the output folder {out_dir} is a file; give --out a folder")
@@ -61,7 +61,7 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
         finally:
             workers.stop_all()
     say("collector stopped; analysing")
-    report, analysed, attributed = analyse_report(store, quiet=True)
+    report, analysed, attributed = analyse_report(store)
     report["demo"] = {"injected_clocks": {node: dataclasses.asdict(c) for node, c in workers.truth.items()},
                       "clock_epoch_ns": workers.epoch_ns, "workloads": injected, "skipped": skipped}
     files = {"report_json": os.path.join(out_dir, "report.json"), "html": os.path.join(out_dir, "report.html"),
