@@ -269,7 +269,7 @@ def _minus_children(table: SpanTable, dag: Dag, rows, s, e, cat, base, span):
     cut = covered[rows]
     if not cut.any():
         return rows, s, e, cat
-    start, end = dag.time[0:2 * dag.n_rows:2], dag.time[1:2 * dag.n_rows:2]
+    start, end = dag.starts, dag.ends
     holes = dag.parent[child]
     # Boundary points per row: piece starts/ends and hole starts/ends, in time order.
     pr, ps, pe, pc = rows[cut], s[cut], e[cut], cat[cut]
@@ -403,8 +403,8 @@ def _merge(table: SpanTable, matches: Matches, parts: list, results: list[Attrib
 
 def attribute_paths(table: SpanTable, alignment: Alignment, matches: Matches, dag: Dag, paths: Paths) -> Attribution:
     """Attribute every trace, given its stitched DAG and critical paths."""
-    n, n_traces = len(table), len(table.trace_ids)
-    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+    n_traces = len(table.trace_ids)
+    start, end = dag.starts, dag.ends
 
     group, n_groups = dense(table.trace, table.node)
     first = np.unique(group, return_index=True)[1]
@@ -469,8 +469,7 @@ def _windows(table: SpanTable, dag: Dag, start, end, group, n_groups, group_trac
 
 def _per_rank(table: SpanTable, dag: Dag, kind, error, group, group_trace, group_pipeline, lo, hi) -> np.ndarray:
     """(groups, categories + 1) ns: every instant of each node's window [lo, hi) once."""
-    n = dag.n_rows
-    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+    start, end = dag.starts, dag.ends
     span = int((dag.trace_end - dag.trace_start).max()) if len(dag.trace_start) else 0
     rows, s, e, cat = pieces(table, dag, kind, start, end, error)
     rows, s, e, cat = _minus_children(table, dag, rows, s, e, cat, dag.trace_start[table.trace], span)

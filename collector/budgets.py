@@ -178,8 +178,7 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
     rows = np.flatnonzero(names[table.name] & nodes[table.node]) if len(table) else np.empty(0, np.int64)
     if wanted is not None:
         rows = rows[np.isin(table.trace[rows], wanted)]
-    n = len(table)
-    duration = (at.dag.time[1:2 * n:2] - at.dag.time[0:2 * n:2])[rows].astype(np.float64)
+    duration = (at.dag.ends - at.dag.starts)[rows].astype(np.float64)
     if b.share:
         trace = table.trace[rows]
         duration = duration / np.maximum(at.dag.trace_end[trace] - at.dag.trace_start[trace], 1)

@@ -61,7 +61,7 @@ def sinks(dag: Dag) -> np.ndarray:
     n_traces = len(dag.trace_start)
     rows = np.arange(dag.n_rows)
     trace = dag.trace[1:2 * dag.n_rows:2].astype(np.int64)
-    key = (dag.time[1:2 * dag.n_rows:2] - dag.trace_start[trace]) * 2 + (dag.parent < 0)
+    key = (dag.ends - dag.trace_start[trace]) * 2 + (dag.parent < 0)
     best = np.full(n_traces, _NEG, dtype=np.int64)
     np.maximum.at(best, trace, key)
     top = rows[key == best[trace]]

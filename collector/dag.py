@@ -77,6 +77,16 @@ class Dag:
     def n_events(self) -> int:
         return len(self.time)
 
+    @property
+    def starts(self) -> np.ndarray:
+        """Per row: the span's start event's time (a view)."""
+        return self.time[0:2 * self.n_rows:2]
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Per row: the span's end event's time (a view)."""
+        return self.time[1:2 * self.n_rows:2]
+
     def row_of(self, events: np.ndarray) -> np.ndarray:
         """Span row of each event; a join event maps to its last participant."""
         events = np.asarray(events, dtype=np.int64)

@@ -294,7 +294,7 @@ def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
     This is the time the others spent in collectives held up by the late node, including
     any they overlapped with compute of their own (DDP's buckets wait while backward goes
     on), so it can exceed their per-rank collective.wait, which counts each instant once."""
-    start, end = dag.time[0:2 * dag.n_rows:2], dag.time[1:2 * dag.n_rows:2]
+    start, end = dag.starts, dag.ends
     members = np.flatnonzero(dag.join >= 0)
     j = dag.join[members]
     p2p = np.flatnonzero(dag.partner >= 0)

@@ -77,11 +77,10 @@ def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
 def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     """One trace: a lane per node, spans by nesting depth, the critical path on top."""
     t, dag, paths = analysed.table, at.dag, at.paths
-    n = len(t)
     rows = np.flatnonzero(t.trace == index)
     t0, duration = trace["start_ns"], max(trace["duration_ns"], 1)
     scale = (WIDTH - LABEL - 10) / duration
-    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+    start, end = dag.starts, dag.ends
 
     depth = np.zeros(len(rows), dtype=np.int64)
     parent = dag.parent[rows]
@@ -269,7 +268,7 @@ def render(report: dict, analysed, attributed) -> str:
         slowest, typical = ordered[0], ordered[len(ordered) // 2]
         dag, n = attributed.dag, len(analysed.table)     # the spans split at partners and joins, once
         kinds = attribution.self_kinds(analysed.table, dag)
-        pieces = attribution.pieces(analysed.table, dag, kinds, dag.time[0:2 * n:2], dag.time[1:2 * n:2],
+        pieces = attribution.pieces(analysed.table, dag, kinds, dag.starts, dag.ends,
                                     dag.error[0:2 * n:2])
         body.append(_trace_section("slowest trace", slowest, analysed, attributed, kinds, pieces))
         if typical is not slowest:

@@ -71,7 +71,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
     at = attributed or attribution.attribute(t, al, analysed.matches)
     dag, paths = at.dag, at.paths
     n = len(t)
-    start, end = dag.time[0:2 * n:2], dag.time[1:2 * n:2]
+    start, end = dag.starts, dag.ends
     t0 = int(start.min()) if n else 0
 
     def us(ns, since=t0):
