@@ -52,6 +52,7 @@ STEP = {
     Edge.RPC_REQUEST: "network.uplink",
     Edge.RPC_RESPONSE: "network.downlink",
     Edge.MESSAGE: "p2p.transfer",            # the receive waited for a late send
+    Edge.RENDEZVOUS: "p2p.transfer",         # the send waited for a late receive
     Edge.JOIN: "collective.transfer",        # zero length: the join is its last participant's entry
     Edge.COMPLETE: "collective.transfer",
 }

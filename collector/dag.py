@@ -13,6 +13,12 @@ An edge a -> b says "a happened before b, and b may have waited for it":
                 (for a child on another thread or node; on the same thread, THREAD says it)
   RPC_REQUEST   client start -> server start;  RPC_RESPONSE: server end -> client end
   MESSAGE       send start -> receive end
+  RENDEZVOUS    receive start -> send end, where the send ended after it, on the host: a
+                send completes once its receive is posted (gloo's did in every pipeline run
+                measured), so a late receiver holds up what the sender's thread waits for
+                next (1F1B's last stage waits on its gradient's isend, then on the next
+                activation's irecv). A send that ended first did not wait (an eager one);
+                one on a device ends when it is queued
   JOIN          a participant's start -> the collective's join (the last entry releases it)
   COMPLETE      the join -> a participant's end
 
@@ -31,6 +37,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .align import Alignment
 from .matching import Matches
@@ -48,6 +55,7 @@ class Edge(IntEnum):
     MESSAGE = 6
     JOIN = 7
     COMPLETE = 8
+    RENDEZVOUS = 9
 
 
 @dataclasses.dataclass
@@ -307,6 +315,9 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     send, recv = p2p[same, 0], p2p[same, 1]
     partner[send], partner[recv] = recv, send
     add(S[send], E[recv], Edge.MESSAGE)
+    waited = start[recv] <= end[send]      # a send that ended first did not wait for its receive
+    waited[waited] = [d == "cpu" for d in table.attr(sc.P2P_DEVICE, send[waited].tolist(), "cpu")]
+    add(S[recv[waited]], E[send[waited]], Edge.RENDEZVOUS)
 
     # Collectives: one join per (instance, trace).
     members, instance = matches.coll_rows, matches.coll_instance

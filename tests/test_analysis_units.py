@@ -270,8 +270,13 @@ def test_late_sender_and_late_receiver():
     trace = out[0]
     assert ms(trace["per_rank"]["b"]["attribution"]) == {"p2p.wait": 5 + 2, "p2p.transfer": 1.5 + 1,
                                                          "compute": 3.5}
-    edges = [Edge(int(e)) for e in at.paths.edge]
-    assert Edge.MESSAGE in edges       # the first receive's end waited for the send
+    # b's send ended when a posted its receive, after 6 ms of nothing: a's idling decided the
+    # end, not b's forward (the path ran b's forward into a 3 ms 'transfer' of its send).
+    path = [(seg["node"], seg["span"], seg["category"], seg["duration_ns"] / MS)
+            for seg in trace["critical_path"] if seg["duration_ns"]]
+    assert path == [("a", "fwd", "compute", 5), ("a", "send", "p2p.transfer", 1),
+                    ("a", "recv", "host.overhead", 6), ("b", "send", "p2p.transfer", 1)]
+    assert Edge(int(at.paths.edge[-1])) == Edge.RENDEZVOUS
     s_ = trace["straggler"]
     assert s_["node"] == "a" and s_["delay_cost_ns"] == 7 * MS
     assert {(w["late_node"], w["wait_caused_ns"]) for w in s_["waits"]} == {("a", 5 * MS), ("a", 2 * MS)}
@@ -279,6 +284,46 @@ def test_late_sender_and_late_receiver():
     # receive its own send, which was a transfer: its forward again (transfers and
     # collectives are waiting, not work). The costliest wait names the straggler's span.
     assert [w["cause_span"] for w in s_["waits"]] == ["fwd", "fwd"] and s_["span"] == "fwd"
+
+
+def test_a_send_waits_for_its_receive_and_the_path_goes_to_the_late_receiver():
+    """1F1B's steady state, as torch.distributed.pipelining runs it on gloo: the last stage
+    posts its gradient's isend and the next activation's irecv together and waits for them
+    in that order, and a gloo send completes only once its receive is posted. The slow
+    stage computes its forward for 20 ms, then sends the activation and posts the gradient's
+    receive. The irecv's end came after the isend's (program order), and the isend's end
+    had no edge from the receive it waited for: the path stayed on the last stage, 19 ms of
+    'p2p.transfer' from its posts, and never reached the slow stage's forward."""
+    s = Spans()
+    slow, last = s.add("step", Kind.INTERNAL, 0, 21.7, "s1"), s.add("step", Kind.INTERNAL, 0, 22, "s2")
+    s.add("forward", Kind.COMPUTE, 0.5, 20, "s1", slow)
+    s.add("isend", Kind.SEND, 20.1, 20.2, "s1", slow, **p2p(1, 2, 1))        # the activation
+    s.add("irecv", Kind.RECV, 20.15, 20.5, "s1", slow, **p2p(2, 1, 0))       # the gradient
+    s.add("backward", Kind.COMPUTE, 20.6, 21.5, "s1", slow)
+    s.add("isend", Kind.SEND, 1, 20.3, "s2", last, **p2p(2, 1, 0))           # waits for s1's irecv
+    s.add("irecv", Kind.RECV, 1.01, 20.4, "s2", last, **p2p(1, 2, 1))        # waited after the isend
+    s.add("forward", Kind.COMPUTE, 20.5, 21.9, "s2", last)
+    table, at, out = analyse(s.spans, {"s1": 1, "s2": 2})
+    check_tiles(at)
+    on_path = [(seg["node"], seg["span"], seg["category"]) for seg in out[0]["critical_path"]
+               if seg["duration_ns"] >= MS]
+    assert ("s1", "forward", "compute") in on_path, out[0]["critical_path"]
+    assert out[0]["attribution"].get("p2p.transfer", 0) < MS
+    assert Edge.RENDEZVOUS in [Edge(int(e)) for e in at.paths.edge]
+
+
+def test_a_send_that_ended_before_its_receive_was_posted_did_not_wait_for_it():
+    """An eager send (buffered, done before the receiver posted) or one on a device (ended when
+    queued): no edge from the receive's start, which would pull the path to a later event."""
+    s = Spans()
+    s.add("send", Kind.SEND, 0, 1, "a", **p2p(0, 1, 0))
+    s.add("recv", Kind.RECV, 5, 6, "b", **p2p(0, 1, 0))
+    s.add("send", Kind.SEND, 10, 11, "a", **p2p(0, 1, 1, **{sc.P2P_DEVICE: "cuda:0"}))
+    s.add("recv", Kind.RECV, 10.5, 12, "b", **p2p(0, 1, 1, **{sc.P2P_DEVICE: "cuda:0"}))
+    table, at, out = analyse(s.spans, {"a": 0, "b": 1})
+    check_tiles(at)
+    assert Edge.RENDEZVOUS not in [Edge(int(e)) for e in at.dag.edge]
+    assert [Edge(int(e)) for e in at.dag.edge].count(Edge.MESSAGE) == 2
 
 
 def gpipe(p=2, m=4, f=1.0, b=1.0):
