@@ -213,37 +213,3 @@ def evaluate(budgets: list[Budget], traces: list[dict], table: SpanTable, at: At
                                 for i in top.tolist()])
         out.append(entry)
     return out
-
-
-def format_value(entry: dict, value, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 100:.{digits - 1}g}%" if entry["unit"] == "share" else format_ns(value, digits)
-
-
-def format_worst(entry: dict) -> str:
-    """The traces with the worst samples, each by its id's first 16 digits and its value."""
-    return ", ".join(f"{w['trace_id'][:16]} ({format_value(entry, w['value'])})" for w in entry["worst"]) or "-"
-
-
-def format_measured(entry: dict) -> tuple[str, str]:
-    """(measured, limit) with the digits it takes to tell them apart: a value just over its
-    limit printed as the limit itself beside VIOLATED."""
-    measured, limit = entry["measured"], entry["limit"]
-    for digits in range(4, 16):
-        shown = format_value(entry, measured, digits), format_value(entry, limit, digits)
-        if measured is None or measured == limit or shown[0] != shown[1]:
-            return shown
-    return shown
-
-
-def verdict(results: list[dict]) -> str:
-    """One line: how many budgets were violated, and how many had no trace to measure."""
-    violated = sum(r["status"] == "violated" for r in results)
-    empty = sum(r["status"] == "no_data" for r in results)
-    if not violated and not empty:
-        return f"all {len(results)} budgets hold" if len(results) > 1 else "the budget holds"
-    parts = [f"{violated} of {len(results)} budgets violated"] if violated else []
-    if empty:
-        parts.append(f"{empty} of {len(results)} without data (no trace it applies to)")
-    return ", ".join(parts)

@@ -8,6 +8,7 @@ from crosstrace.collector.attribution import attribute
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import Analysed, kind_summaries, traces_with_details
 from crosstrace.collector.views import terminal
+from crosstrace.collector.views.summaries import slowest_first
 from crosstrace.proto.semconv import Kind
 
 from .test_analysis_units import MS, Spans, build
@@ -136,7 +137,7 @@ def test_views_name_one_slowest_trace_and_only_categories_with_time():
     out = console.export_text()
     assert "host.overhead 10 ms" in out
     assert "compute 0" not in out and "data 0" not in out
-    slowest = terminal.slowest_first(traces)[0]
+    slowest = slowest_first(traces)[0]
     assert slowest["name"] == "first" and "│ host.overhead │ n0   │ first │" in out   # its critical path
     page = html.render(report, analysed, at)
     assert f"slowest trace: first <code>{slowest['trace_id'][:16]}" in page

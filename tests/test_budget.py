@@ -10,6 +10,7 @@ import pytest
 from crosstrace.collector import budgets
 from crosstrace.collector.attribution import attribute
 from crosstrace.collector.durations import format_ns, format_within
+from crosstrace.collector.views.summaries import format_measured
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import trace_details
 from crosstrace.commands.report import duration
@@ -176,8 +177,8 @@ span = "no such span"
 max = "1ms"
 """, tmp_path)
     assert [r["rule"] for r in results] == ["backward <= 60ms", "backward <= 59.999999ms", "no such span <= 1ms"]
-    assert budgets.format_measured(results[0]) == ("60.000001 ms", "60 ms")
-    assert budgets.format_measured(results[1]) == ("60.000001 ms", "59.999999 ms")
+    assert format_measured(results[0]) == ("60.000001 ms", "60 ms")
+    assert format_measured(results[1]) == ("60.000001 ms", "59.999999 ms")
     console = Console(record=True, width=200)
     render_budgets(results, 1, console)
     out = console.export_text()

@@ -16,7 +16,9 @@ from ...proto.semconv import KIND_NAMES, Status
 from .. import attribution
 from ..durations import format_within
 from ..wording import counted
-from .terminal import clocks_to_show, errors_line, fmt_ns, largest_segments, slowest_first, stragglers_line
+from ..durations import format_ns as fmt_ns
+from .summaries import (clocks_to_show, errors_line, format_measured, format_worst, largest_segments,
+                        slowest_first, stragglers_line)
 
 NAMES = attribution.NAMES
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
@@ -152,7 +154,6 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
 
 
 def _budgets(report: dict) -> str:
-    from ..budgets import format_measured, format_worst
 
     if not report.get("budgets"):
         return "<p>No budgets given (<code>--budget FILE</code>).</p>"

@@ -1,6 +1,4 @@
 """The report in the terminal (rich tables)."""
-import collections
-import math
 import os
 import sys
 
@@ -11,6 +9,8 @@ from rich.table import Table
 from ..durations import format_ns as fmt_ns
 from ..durations import format_within
 from ..wording import counted
+from .summaries import (CLOCK_ROWS, NODES_LISTED, clocks_to_show, errors_line, format_measured, format_worst,
+                        largest_segments, slowest_first, stragglers_line, verdict)
 
 # Every name that comes from the traced program (spans, nodes, traces, budgets, the store's
 # path) goes through escape(): rich reads `[...]` as markup, and a module path such as
@@ -30,20 +30,6 @@ class _Console(Console):
         command does there (rich exits 1 on its own)."""
         self.quiet = True
         raise BrokenPipeError
-
-
-def slowest_first(traces: list[dict]) -> list[dict]:
-    """Traces by duration, the slowest first, the earlier first among equals: one order for
-    every view, so that they name the same slowest trace."""
-    return sorted(traces, key=lambda t: (-t["duration_ns"], t["start_ns"]))
-
-
-def errors_line(traces: list[dict]) -> str:
-    errors = sum(t.get("errors", 0) for t in traces)
-    if not errors:
-        return ""
-    failed = sum(1 for t in traces if t.get("errors"))
-    return f"{counted(errors, 'span')} with status ERROR in {counted(failed, 'trace')}"
 
 
 def render(report: dict, console: Console | None = None, limit: int = 10) -> None:
@@ -92,21 +78,6 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
 
 # A job of thousands of ranks gets the nodes that need a look, not thousands of rows; the
 # JSON report and `crosstrace clocks` have them all.
-CLOCK_ROWS, NODES_LISTED = 16, 8
-
-
-def clocks_to_show(clocks: dict, rows: int | None = CLOCK_ROWS) -> list[str]:
-    """Every node where they fit in `rows` (None: all); else the flagged ones and the widest
-    error bounds first."""
-    nodes = list(clocks)
-    if rows is not None and len(nodes) > rows:
-        def need(node):   # an unknown bound (None) is the widest
-            bound = clocks[node]["error_bound_ns"]
-            return not clocks[node]["flags"], -(math.inf if bound is None else bound)
-        nodes = sorted(nodes, key=need)[:rows]
-    return nodes
-
-
 def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS, detail: bool = False) -> None:
     """Every node's clock where they fit in `rows` (None: all); else the flagged ones and
     the widest error bounds first, and a line for the rest. `detail` adds the drift's bound
@@ -187,22 +158,6 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
             _per_trace(name, k, traces, console, limit)
 
 
-def stragglers_line(name: str, n_traces: int, traces: list[dict]) -> str | None:
-    """"stragglers: trainer-3 in 10 of 10": the nodes the traces of one kind name (None: none)."""
-    named = collections.Counter(t["straggler"]["node"] for t in traces if t["name"] == name and t.get("straggler"))
-    if not named:
-        return None
-    more = len(named) - NODES_LISTED
-    return ("stragglers: " + ", ".join(f"{node} in {n} of {n_traces}" for node, n in named.most_common(NODES_LISTED))
-            + (f", {more} more nodes" if more > 0 else ""))
-
-
-def largest_segments(segments: list[dict], n: int) -> list[dict]:
-    """The n segments with the largest mean, still in path order."""
-    keep = {id(s) for s in sorted(segments, key=lambda s: -s["mean_ns"])[:n]}
-    return [s for s in segments if id(s) in keep]
-
-
 def _stat_cells(stats: dict) -> list[str]:
     return [fmt_ns(stats[key]) for key in ("p50_ns", "p95_ns", "p99_ns", "mean_ns")]
 
@@ -231,7 +186,6 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
 
 
 def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
-    from ..budgets import format_measured, format_worst, verdict
 
     console = console or wide_console()
     table = Table(title=f"budgets ({counted(n_traces, 'trace')})", title_justify="left")

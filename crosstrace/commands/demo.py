@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ..collector.durations import format_within
 from ..collector.views import terminal
+from ..collector.views.summaries import stragglers
 from ..demo import WORKLOADS
 from .report import positive
 
@@ -98,11 +99,11 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
     if "ddp" in injected:
         d = injected["ddp"]
         steps = [t for t in traces if t["name"] == "ddp-step"]
-        named = [t["straggler"]["node"] for t in steps if t["straggler"]]
-        top = max(set(named), key=named.count) if named else None
+        named = stragglers(steps, "ddp-step")
+        top, times = named.most_common(1)[0] if named else (None, 0)
         waits = [t["per_rank"][n]["attribution"].get("collective.wait", 0) for t in steps
                  for n in t["per_rank"] if n != top]
-        found = (f"straggler {top} in {named.count(top)} of {len(steps)} steps; the other ranks' "
+        found = (f"straggler {top} in {times} of {len(steps)} steps; the other ranks' "
                  f"collective.wait median {terminal.fmt_ns(statistics.median(waits))}" if top else "no straggler")
         rows.append(("ddp", f"{d['straggler_node']} sleeps {d['straggle_ms']} ms at the end of its {d['straggler_span']} "
                             "(before backward)", found))
