@@ -37,6 +37,7 @@ import numpy as np
 
 from crosstrace.clock_sync import causal, exchange
 from crosstrace.clock_sync.fit import fit
+from crosstrace.tracer.clock import Clock
 
 # -- simulation ----------------------------------------------------------------------------------
 
@@ -406,10 +407,8 @@ def run_loopback(n_procs: int, seconds: float, seed: int) -> dict:
 
 
 def _injected_offset(local, offset, drift_ppm, epoch):
-    """Truth for tracer/clock.Clock: local = t + offset + (t - epoch) * ppb // 1e9."""
-    ppb = round(drift_ppm * 1000)
-    t = epoch + (np.asarray(local, dtype=np.float64) - offset - epoch) / (1 + ppb / 1e9)
-    return offset + (t - epoch) * ppb / 1e9
+    """The simulated clock's true offset at its readings `local`."""
+    return Clock(offset, drift_ppm, epoch).offset_at_local(np.asarray(local, dtype=np.float64))
 
 
 def main() -> None:

@@ -37,10 +37,8 @@ provider.shutdown()
 
 
 def injected_offset(local, offset_ns, drift_ppm, epoch_ns):
-    """The truth of tracer/clock.Clock: local = t + offset + (t - epoch) * ppb // 1e9."""
-    ppb = round(drift_ppm * 1000)
-    t = epoch_ns + (np.asarray(local, dtype=np.float64) - offset_ns - epoch_ns) / (1 + ppb / 1e9)
-    return offset_ns + (t - epoch_ns) * ppb / 1e9
+    """The simulated clock's true offset at its readings `local`."""
+    return Clock(offset_ns, drift_ppm, epoch_ns).offset_at_local(np.asarray(local, dtype=np.float64))
 
 
 def sim_env(collector, node, offset_ns, drift_ppm, epoch_ns, **extra):

@@ -52,6 +52,13 @@ class Clock:
         """This clock's reading at the real monotonic time t."""
         return t + self.offset_ns + (t - self.epoch_ns) * self._drift_ppb // 1_000_000_000
 
+    def offset_at_local(self, local):
+        """The offset (this clock - true time) when it read `local` (a number or a numpy
+        array): the truth that the collector's recovery of a simulated clock is checked
+        against, at the instant of a reading it reports."""
+        true = self.epoch_ns + (local - self.offset_ns - self.epoch_ns) / (1 + self._drift_ppb / 1e9)
+        return self.offset_ns + (true - self.epoch_ns) * self._drift_ppb / 1e9
+
     def from_epoch_ns(self, epoch_ns: int) -> int:
         """Map a wall-clock time (ns since the Unix epoch, as OpenTelemetry passes
         explicit start/end times) onto this clock. The wall and monotonic clocks run at one

@@ -11,6 +11,7 @@ import os
 import time
 
 from ..launch import CollectorProcess
+from ..tracer.clock import Clock
 from .workers import Workers
 
 
@@ -92,7 +93,5 @@ def _replace_store(store: str) -> None:
 
 
 def injected_offset_at(clock: dict, epoch_ns: int, local_ns: int) -> float:
-    """The simulated clock's offset (local minus true time) when it read `local_ns`: the
-    injected offset plus the drift accumulated since `epoch_ns` (tracer/clock.py)."""
-    true_ns = local_ns - clock["offset_ns"]
-    return clock["offset_ns"] + clock["drift_ppm"] * 1e-6 * (true_ns - epoch_ns)
+    """The simulated clock's offset (local minus true time) when it read `local_ns`."""
+    return Clock(clock["offset_ns"], clock["drift_ppm"], epoch_ns).offset_at_local(local_ns)
