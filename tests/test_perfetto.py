@@ -93,7 +93,7 @@ def test_processes_flows_and_critical_path(tmp_path):
     table, alignment = mixed_table()
     analysed = Analysed(table, alignment, match(table))
     path = tmp_path / "trace.json"
-    assert perfetto.write(str(path), analysed) == len(table)
+    assert perfetto.write(str(path), analysed, attribute(table, alignment, analysed.matches)) == len(table)
     doc = json.loads(path.read_text())
     flows = check(doc, table)
     assert sorted(flows["p2p"]) == [("send", "recv")]
@@ -142,7 +142,8 @@ def test_times_survive_perfettos_truncation(tmp_path):
     s.add("forward", Kind.COMPUTE, 8389.376256, 8419.354592, "rank0", step)
     s.add("backward", Kind.COMPUTE, 8419.354592, 8450, "rank0", step)
     table, alignment = build(s.spans, {"rank0": 0})
-    doc = perfetto.trace_events(Analysed(table, alignment, match(table)))
+    analysed = Analysed(table, alignment, match(table))
+    doc = perfetto.trace_events(analysed, attribute(table, alignment, analysed.matches))
     check(doc, table)
     cp = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "critical_path"]
     assert len(cp) == 3

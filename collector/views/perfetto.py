@@ -66,9 +66,8 @@ def _binding_times(tid: np.ndarray, start: np.ndarray) -> np.ndarray:
     return start + (following - start > 1)
 
 
-def trace_events(analysed, attributed: "attribution.Attribution | None" = None) -> dict:
+def trace_events(analysed, at: "attribution.Attribution") -> dict:
     t, al = analysed.table, analysed.alignment
-    at = attributed or attribution.attribute(t, al, analysed.matches)
     dag, paths = at.dag, at.paths
     n = len(t)
     start, end = dag.starts, dag.ends
@@ -144,7 +143,7 @@ def trace_events(analysed, attributed: "attribution.Attribution | None" = None) 
             "otherData": {"crosstrace": {"t0_ns": t0, "epoch_offset_ns": al.epoch_offset_ns}}}
 
 
-def write(path: str, analysed, attributed=None) -> int:
+def write(path: str, analysed, attributed: "attribution.Attribution") -> int:
     """Write the JSON file ('-': stdout); returns the number of spans in it."""
     doc = trace_events(analysed, attributed)
     with open_output(path) as out:

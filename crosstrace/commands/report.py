@@ -114,7 +114,10 @@ def run_export(args) -> int:
         n = jsonl.write(args.jsonl, analysed)
         progress(f"wrote {counted(n, 'span')} to {_shown(args.jsonl)}")
     if args.perfetto:
-        n = perfetto.write(args.perfetto, analysed)
+        from ..collector import attribution
+
+        attributed = attribution.attribute(analysed.table, analysed.alignment, analysed.matches)
+        n = perfetto.write(args.perfetto, analysed, attributed)
         progress(f"wrote {counted(n, 'span')} to {_shown(args.perfetto)} (open it in ui.perfetto.dev or chrome://tracing)")
     if args.otlp:
         export_otlp(args.otlp, analysed, headers, args.otlp_ca)
