@@ -21,7 +21,7 @@ def format_ns(ns, digits: int = 3, sep: str = " ") -> str:
     sep="" writes it as a budget file does ("5ms")."""
     if ns is None:
         return "-"
-    ns = float(f"{float(ns):.{digits}g}")   # rounded first: 999,999 ns is "1 ms", not "1000 us"
+    ns = float(round(float(f"{float(ns):.{digits}g}")))   # rounded first: 999,999 ns is "1 ms", not "1000 us"
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
         if abs(ns) >= scale:
             value = ns / scale
@@ -34,6 +34,8 @@ def format_within(ns, bound_ns) -> str:
     says "3 s"): an offset told apart from the injected one, or from yesterday's."""
     if ns is None or not bound_ns or abs(ns) < 1e3:
         return format_ns(ns)
+    step = 10 ** math.floor(math.log10(bound_ns))
+    ns = round(ns / step) * step   # rounded first, as format_ns
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
         if abs(ns) >= scale:
             decimals = min(9, max(0, math.ceil(math.log10(scale / bound_ns))))

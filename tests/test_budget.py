@@ -66,6 +66,7 @@ def test_durations_print_as_people_read_them():
     # an offset to the digit its error bound reaches: 3 s off by 161 us, known to 6 us
     assert format_within(3_000_161_413, 5_930) == "3.000161 s" and format_within(-35e6, 3_920) == "-35.000 ms"
     assert format_within(250e6, None) == "250 ms"
+    assert format_ns(999.6, 4, sep="") == "1us" and format_within(999_999_999.7, 1_000) == "1.000000 s"
 
 
 @pytest.mark.parametrize("text,message", [

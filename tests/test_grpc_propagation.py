@@ -263,6 +263,13 @@ async def aio_chain(tiers) -> None:
         time.sleep(0.01)
         return request
 
+    def blocking_not_found(request, context):
+        context.set_code(grpc.StatusCode.NOT_FOUND)
+        return b""
+
+    def blocking_abort(request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
+
     middle = grpc.aio.server(interceptors=[crosstrace.aio_server_interceptor(tiers["middle"])])
     middle.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Svc", {
         "Unary": grpc.unary_unary_rpc_method_handler(unary),
@@ -273,6 +280,8 @@ async def aio_chain(tiers) -> None:
         "Crash": grpc.unary_unary_rpc_method_handler(crash),
         "PassOn": grpc.unary_unary_rpc_method_handler(pass_on),
         "Blocking": grpc.unary_unary_rpc_method_handler(blocking),
+        "BlockingNotFound": grpc.unary_unary_rpc_method_handler(blocking_not_found),
+        "BlockingAbort": grpc.unary_unary_rpc_method_handler(blocking_abort),
     })])
     middle_port = middle.add_insecure_port("127.0.0.1:0")
     await middle.start()
@@ -289,7 +298,14 @@ async def aio_chain(tiers) -> None:
             assert [r async for r in channel.unary_stream("/test.Svc/ServerStream")(b"b", timeout=10)] == [b"b"] * 3
             assert await channel.stream_unary("/test.Svc/ClientStream")(requests(), timeout=10) == b"cd"
             assert [r async for r in channel.stream_stream("/test.Svc/BidiStream")(requests(), timeout=10)] == [b"c", b"d"]
-            assert await channel.unary_unary("/test.Svc/Blocking")(b"h", timeout=10) == b"h"
+            blocking = channel.unary_unary("/test.Svc/Blocking")(b"h", timeout=10)
+            assert await blocking == b"h"
+            assert any(k == ct_grpc.CLOCK_KEY for k, _ in await blocking.trailing_metadata())   # a clock sample
+            for method, code in (("BlockingNotFound", grpc.StatusCode.NOT_FOUND),
+                                 ("BlockingAbort", grpc.StatusCode.PERMISSION_DENIED)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await channel.unary_unary(f"/test.Svc/{method}")(b"x", timeout=10)
+                assert err.value.code() == code
             for method, code in (("Fail", grpc.StatusCode.NOT_FOUND), ("Crash", grpc.StatusCode.UNKNOWN),
                                  ("PassOn", grpc.StatusCode.UNKNOWN)):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -307,13 +323,17 @@ def test_asyncio_unary_and_streaming_across_two_hops(collector):
     flush_all(tiers)
     spans, samples = load(collector)
     check_tree(spans, "aio-root", ["test.Svc/Unary", "test.Svc/ServerStream", "test.Svc/ClientStream",
-                                   "test.Svc/BidiStream", "test.Svc/Blocking", "test.Svc/Fail", "test.Svc/Crash",
-                                   "test.Svc/PassOn"])
+                                   "test.Svc/BidiStream", "test.Svc/Blocking", "test.Svc/BlockingNotFound",
+                                   "test.Svc/BlockingAbort", "test.Svc/Fail", "test.Svc/Crash", "test.Svc/PassOn"])
     check_statuses(spans)
+    plain = {s["name"]: s for s in spans if s["kind"] == Kind.RPC_SERVER and "/Blocking" in s["name"]}
+    assert {name: s["attributes"][sc.RPC_GRPC_STATUS] for name, s in plain.items()} == {
+        "test.Svc/Blocking": 0, "test.Svc/BlockingNotFound": grpc.StatusCode.NOT_FOUND.value[0],
+        "test.Svc/BlockingAbort": grpc.StatusCode.PERMISSION_DENIED.value[0]}
     check_samples(samples, {("client", "middle"), ("middle", "back")})
     # grpc.aio sends an abort's status at once, before the interceptor could add its trailer:
     # the aborted calls are the ones without a sample.
-    check_sample_counts(samples, {("client", "middle"): 6, ("middle", "back"): 1})
+    check_sample_counts(samples, {("client", "middle"): 7, ("middle", "back"): 1})
 
 
 # -- binding, strangers, wire cost --------------------------------------------------------------

@@ -121,16 +121,22 @@ def test_steps_with_the_opentelemetry_sdk_as_global_provider():
                 with tracer.start_as_current_span("forward") as child:
                     recording = child.is_recording()
                 print(json.dumps({"k": k, "child_recording": recording}))
+        try:
+            with crosstrace.step(4):   # a failed step: the user's exception, nothing of crosstrace's
+                raise ValueError("boom")
+        except ValueError:
+            pass
         print(json.dumps([{"name": s.name, "trace": f"{s.context.trace_id:032x}",
                            "parent_remote": s.parent.is_remote if s.parent else None,
                            "step": s.attributes.get("crosstrace.step")} for s in exporter.get_finished_spans()]))
     """, env={"CROSSTRACE_JOB_ID": "sdk-job"})
     *per_step, finished = [json.loads(line) for line in out.stdout.splitlines()]
     assert [s["child_recording"] for s in per_step] == [True, False, True, False]
-    assert sorted((s["name"], s["step"]) for s in finished if s["name"] == "step") == [("step", 0), ("step", 2)]
-    assert len(finished) == 4
+    assert sorted((s["name"], s["step"]) for s in finished if s["name"] == "step") == [("step", 0), ("step", 2),
+                                                                                      ("step", 4)]
+    assert len(finished) == 5
     steps = {s["trace"]: s for s in finished if s["name"] == "step"}
-    assert set(steps) == {f"{step_trace_id('sdk-job', k):032x}" for k in (0, 2)}
+    assert set(steps) == {f"{step_trace_id('sdk-job', k):032x}" for k in (0, 2, 4)}
     assert all(s["parent_remote"] for s in steps.values())  # the never-recorded origin carrying the id
     assert all(s["trace"] in steps for s in finished)
 

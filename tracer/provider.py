@@ -10,7 +10,6 @@ import inspect
 import multiprocessing.util as mp_util
 import os
 import random
-import signal
 import threading
 import weakref
 
@@ -24,6 +23,7 @@ from .clock import Clock
 from .config import Config
 from .encode import FIELDS
 from .exporter import Exporter, ExportQueue
+from . import sigterm
 from .span import OTEL_KIND, Span, SpanExtras, UnsampledSpan, log, own_links
 
 _random_bits = random.getrandbits
@@ -381,7 +381,7 @@ class TracerProvider(trace_api.TracerProvider):
         _providers.add(self)   # for the process's exit and fork hooks (below)
         # multiprocessing children (DataLoader workers) leave by os._exit, skipping atexit, and
         # clear finalizers made at fork time; a finalizer made by its after-fork hook does run.
-        mp_util.register_after_fork(self, _flush_on_multiprocessing_exit)
+        mp_util.register_after_fork(self, _in_multiprocessing_child)
 
     @property
     def node_id(self) -> str:
@@ -425,23 +425,21 @@ class TracerProvider(trace_api.TracerProvider):
         """Flush what is queued (bounded by `timeout_millis`, default the exit timeout), then
         stop. A call while another thread's shutdown runs waits for it (within the exit
         timeout), and returns what it found."""
-        global _end_after_shutdown
         with self._lock:
             first, self._shutdown = not self._shutdown, True
             if first:
                 self._shutting_down = threading.get_ident()
         if not first:
             if self._shutting_down not in (None, threading.get_ident()):
-                self._shut_down.wait(self.config.exit_flush_timeout_s)
+                timeout = self.config.exit_flush_timeout_s if timeout_millis is None else timeout_millis / 1000
+                if not self._shut_down.wait(timeout):
+                    return False
             return self._flushed
         try:
             self._flushed = self._stop(timeout_millis)
         finally:
             self._shutting_down = None
             self._shut_down.set()
-        if _end_after_shutdown:   # SIGTERM came during this shutdown (_hand_over_and_terminate)
-            _end_after_shutdown = False
-            _shut_down_and_terminate()
         return self._flushed
 
     def _stop(self, timeout_millis: int | None) -> bool:
@@ -525,50 +523,7 @@ def _after_fork_in_parent() -> None:
 def _after_fork() -> None:
     for provider in list(_providers):
         provider._after_fork_in_child()
-    if any(provider._exporter is not None and not provider._shutdown for provider in _providers):
-        _shut_down_on_sigterm()
-
-
-def _shut_down_on_sigterm() -> None:
-    """In a forked child: SIGTERM shuts its tracers down (hands its last spans over) before
-    it ends the process, as it would have. `with multiprocessing.Pool() as p:` ends its
-    workers so (Pool.terminate()), and lost up to an export interval of their spans,
-    uncounted. Only where SIGTERM has its default action: a program's own handler stays.
-    The handler runs when the child's main thread next runs Python: at once in a blocking
-    read (an idle Pool worker), after it for a long call into C."""
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-    try:
-        signal.signal(signal.SIGTERM, _hand_over_and_terminate)
-    except ValueError:   # pragma: no cover - forked from a thread CPython does not make the main one
-        pass
-
-
-_end_after_shutdown = False   # SIGTERM came in the middle of a shutdown on the thread it runs on
-
-
-def _hand_over_and_terminate(signum, frame) -> None:
-    global _end_after_shutdown
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)   # a second SIGTERM ends the process at once
-    me = threading.get_ident()
-    if any(provider._shutting_down == me for provider in list(_providers)):
-        # A worker ending anyway (Pool's sentinel), in its exit's shutdown: that goes on, then
-        # ends the process. (Shut down again here, it found it begun and the process ended.)
-        _end_after_shutdown = True
-        return
-    _shut_down_and_terminate()
-
-
-def _shut_down_and_terminate() -> None:
-    """Shut every tracer down, then end the process by SIGTERM as it would have ended. The
-    shutdown runs on a thread of its own, bounded: the thread a signal interrupted may hold
-    a lock that it needs."""
-    providers = list(_providers)
-    worker = threading.Thread(target=lambda: [provider.shutdown() for provider in providers],
-                              name="crosstrace-sigterm", daemon=True)
-    worker.start()
-    worker.join(max((provider.config.exit_flush_timeout_s for provider in providers), default=0) + 1)
-    os.kill(os.getpid(), signal.SIGTERM)
+    sigterm.forget_after_fork()
 
 
 atexit.register(_at_exit)
@@ -590,5 +545,13 @@ def _exit_hook(provider: TracerProvider) -> None:
                     lost, cfg.endpoint)
 
 
-def _flush_on_multiprocessing_exit(provider: TracerProvider) -> None:
+def _in_multiprocessing_child(provider: TracerProvider) -> None:
+    """Its spans are flushed when it exits, and handed over when SIGTERM ends it."""
     mp_util.Finalize(provider, provider.shutdown, exitpriority=100)
+    if provider._exporter is not None and not provider._shutdown:
+        sigterm.install(_shut_down_all)
+
+
+def _shut_down_all() -> None:
+    for provider in list(_providers):
+        provider.shutdown()

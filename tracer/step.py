@@ -228,8 +228,9 @@ class Step:
                 span.record_exception(exc, escaped=True)
                 span.set_status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}")
             span.end()
-            if failed:   # sent now: torchrun ends the other ranks by SIGTERM when one fails, before its next round
-                span._sink.wake()
+            sink = getattr(span, "_sink", None)   # (a span of another provider's has none)
+            if failed and sink is not None:   # sent now: torchrun ends the other ranks by SIGTERM when one fails
+                sink.wake()
         return False
 
     def discard(self) -> None:

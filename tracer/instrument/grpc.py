@@ -693,8 +693,6 @@ def _rewrap(handler, wrap):
         behavior = getattr(handler, attr)
         if behavior is not None:
             traced = wrap(behavior, streaming)
-            if traced is None:
-                return handler
             return factory(traced, request_deserializer=handler.request_deserializer,
                            response_serializer=handler.response_serializer)
     return handler
@@ -738,7 +736,47 @@ def _wrap_aio(b: _Binding, method, metadata, t2, behavior, streaming_response: b
             with _ServerCall(b, method, metadata, t2, context):
                 return await behavior(request, context)
         return traced
-    return _wrap_sync(b, method, metadata, t2, behavior, streaming_response)   # run in its thread pool
+    traced = _wrap_sync(b, method, metadata, t2, behavior, streaming_response)   # run in its thread pool
+    return lambda request, context: traced(request, _RecordingContext(context))
+
+
+class _RecordingContext:
+    """A plain handler's context on a grpc.aio server: grpc's _SyncServicerContext takes a
+    code, details and trailing metadata but cannot say them back, which the server span's
+    end reads (its status, and the clock trailer added to the handler's own)."""
+
+    def __init__(self, context):
+        self._context = context
+        self._code = self._details = None
+        self._trailing = ()
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def set_code(self, code) -> None:
+        self._code = code
+        self._context.set_code(code)
+
+    def set_details(self, details) -> None:
+        self._details = details
+        self._context.set_details(details)
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._trailing = tuple(metadata)
+        self._context.set_trailing_metadata(metadata)
+
+    def abort(self, code, details="", *more):
+        self._code, self._details = code, details
+        return self._context.abort(code, details, *more)
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
 
 
 class AioServerInterceptor(_Bound, grpc.aio.ServerInterceptor):
