@@ -25,11 +25,12 @@ pytest.importorskip("torch.distributed.pipelining")
 MS = 1_000_000
 
 
-def torchrun(script: str, args: list[str], env: dict, timeout_s: float = 120, exit_code: int = 0) -> str:
+def torchrun(script: str, args: list[str], env: dict, timeout_s: float = 120, exit_code: int = 0,
+             options: tuple = ()) -> str:
     """`python -m torch.distributed.run --nproc-per-node 2 script args` (a script of
     examples/, or a path); the whole process group (torchrun and its ranks) is killed if it
     outlives the timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *options,
            os.path.join(REPO, "examples", script), *args]
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -109,7 +110,10 @@ def test_a_rank_that_torchrun_ends_after_another_failed_keeps_its_spans(collecto
     which a failed all-reduce leaves in flight."""
     script = tmp_path / "fails.py"
     script.write_text(FAILING_RANK)
-    out = torchrun(str(script), [], {"CROSSTRACE_ENDPOINT": collector.address}, exit_code=1)
+    # torchrun looking once a second (0.1 s by default) leaves time on a loaded machine; the
+    # code before waited 5 s
+    out = torchrun(str(script), [], {"CROSSTRACE_ENDPOINT": collector.address}, exit_code=1,
+                   options=("--monitor-interval", "1"))
     assert "rank 1 fails" in out
     steps = {(r["rank"], r["a"][sc.STEP]): r["status"] for r in spans(collector) if r["name"] == "failing-step"}
     assert steps == {(0, 0): Status.UNSET, (0, 1): Status.UNSET, (0, 2): Status.ERROR,
