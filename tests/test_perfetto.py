@@ -97,6 +97,7 @@ def test_processes_flows_and_critical_path(tmp_path):
     doc = json.loads(path.read_text())
     flows = check(doc, table)
     assert sorted(flows["p2p"]) == [("send", "recv")]
+    assert flows["p2p receive posted"] == [("recv", "send")]   # posted first: the send's end waited for it
     assert flows["rpc request"] == [("infer", "infer")]
     assert flows["rpc response"] == [("infer", "infer")]   # from the server span, not its last child
     assert sorted(flows["collective"]) == [("all_reduce", "all_reduce")] * 2    # last entry -> the two who waited

@@ -2,7 +2,8 @@
 
 One process per node (named by node id and rank), one thread track per recording
 thread; every span a complete ("X") event. Flow arrows (v1 "s"/"f" events, bound to the
-enclosing slices) join each send to its receive, each RPC client to its server and back,
+enclosing slices) join each send to its receive (and a receive posted first to its send,
+whose end waited for it), each RPC client to its server and back,
 and each collective's last entry to every participant's end. The critical path of each
 trace is its own track in a "critical path" process, one slice per segment named by its
 category, and every span on it carries `critical_path_ns` in its args.
@@ -19,8 +20,8 @@ from ..columns import dumps
 from ..dag import Edge, dense
 from . import PLAIN, aligned_attributes, open_output, outcome
 
-_FLOWS = {Edge.MESSAGE: "p2p", Edge.RPC_REQUEST: "rpc request", Edge.RPC_RESPONSE: "rpc response",
-          Edge.COMPLETE: "collective"}
+_FLOWS = {Edge.MESSAGE: "p2p", Edge.RENDEZVOUS: "p2p receive posted", Edge.RPC_REQUEST: "rpc request",
+          Edge.RPC_RESPONSE: "rpc response", Edge.COMPLETE: "collective"}
 _TRUNCATED = 0.0001   # us added to every time and duration (see above)
 
 
