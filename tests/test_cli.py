@@ -189,6 +189,23 @@ def test_collector_cli_stops_cleanly_on_sigterm(collector):
     assert collector.stop() == 0
 
 
+def test_a_collector_says_when_its_store_is_new(tmp_path):
+    """A mistyped --store started an empty store of its own (its folders too), unsaid."""
+    store = str(tmp_path / "no" / "such" / "s.db")
+    lines = []
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-m", "crosstrace", "collector", "--listen", "127.0.0.1:0",
+                                 "--store", store], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            lines.append(first_line(proc))
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert f"store {store} (new)" in lines[0] and "(new)" not in lines[1], lines
+
+
 def test_a_collector_whose_output_is_gone_still_stops_on_sigterm(tmp_path):
     """`crosstrace collector ... | head -2`: once head exits, a progress line failed, the
     loop that waits for the signal ended, and SIGTERM no longer stopped the collector (its

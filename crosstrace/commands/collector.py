@@ -28,7 +28,7 @@ def register(sub) -> None:
                               "and CROSSTRACE_TOKEN, as for any tracer.")
     p.add_argument("--listen", default="127.0.0.1:4327",
                    help="host:port to listen on (default %(default)s, loopback only; port 0 picks a free one)")
-    p.add_argument("--store", required=True, help="path of the store file (created if missing)")
+    p.add_argument("--store", required=True, help="path of the store file (created, with its folders, if missing: the first line says \"(new)\")")
     p.add_argument("--sync", choices=("normal", "full"), default="normal",
                    help="normal: an acked batch survives the collector being killed; full: also a "
                         "power loss (an fsync per commit, and per spooled batch in relay mode)")
@@ -101,6 +101,7 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
     the port it bound (--listen may ask for port 0). With
     `retain_ns`, what arrived longer ago is deleted as it ages (checked a few times per
     retention period, at most every 10 s)."""
+    new = not os.path.exists(store)   # said: a mistyped --store starts a store of its own
     collector = Collector(store, listen, sync=sync, **options).start()
     stop = threading.Event()
 
@@ -116,7 +117,7 @@ def run(listen: str, store: str, sync: str = "normal", quiet: bool = False,
                                             options.get("tokens") is not None)
         if warning:
             say(f"crosstrace collector: {warning}", sys.stderr)
-        say(f"crosstrace collector listening on {collector.address}, store {store}{via}")
+        say(f"crosstrace collector listening on {collector.address}, store {store}{' (new)' if new else ''}{via}")
         if collector.store.shift_ns:
             say(f"crosstrace collector: {store} was begun on another clock (this machine rebooted, or the store "
                 f"was moved); its timeline goes on through the wall clock, {collector.store.shift_ns / 1e9:+.3f} s "
