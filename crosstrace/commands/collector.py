@@ -28,7 +28,8 @@ def register(sub) -> None:
                               "and CROSSTRACE_TOKEN, as for any tracer.")
     p.add_argument("--listen", default="127.0.0.1:4327",
                    help="host:port to listen on (default %(default)s, loopback only; port 0 picks a free one)")
-    p.add_argument("--store", required=True, help="path of the store file (created, with its folders, if missing: the first line says \"(new)\")")
+    p.add_argument("--store", required=True,
+                   help="path of the store file (created, with its folders, if missing: its first line says \"(new)\")")
     p.add_argument("--sync", choices=("normal", "full"), default="normal",
                    help="normal: an acked batch survives the collector being killed; full: also a "
                         "power loss (an fsync per commit, and per spooled batch in relay mode)")
