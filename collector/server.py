@@ -12,6 +12,7 @@ import contextlib
 import logging
 import queue
 import socket
+import sqlite3
 import threading
 import time
 
@@ -40,6 +41,7 @@ class Writer:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._closing = threading.Lock()
         self._closed = False
+        self._failing = None   # (what the store says, batches failed so far, when it was said) while writes fail
         self._thread = threading.Thread(target=self._run, name="crosstrace-writer", daemon=True)
         self._thread.start()
 
@@ -87,11 +89,28 @@ class Writer:
                 for item in group:
                     self._commit([item])
                 return
-            log.exception("store write failed")
+            self._failed(exc)
             group[0][1].set_exception(exc)
             return
+        if self._failing is not None:
+            log.warning("crosstrace collector: the store takes batches again, after %d failed "
+                        "(their tracers retried them)", self._failing[1])
+            self._failing = None
         for (_, future), result in zip(group, results):
             future.set_result(result)
+
+    def _failed(self, exc: Exception) -> None:
+        """Said once a minute at most while writes fail the same way, with a count (a full disk
+        failed every batch, each with a 12-line traceback); a traceback only for a failure
+        that is not the store's own (OSError, SQLite's), which would be crosstrace's bug."""
+        what, now = str(exc), time.monotonic()
+        _, failed, said_at = self._failing or (None, 0, None)
+        new = self._failing is None or what != self._failing[0]
+        if new or now - said_at >= 60:
+            log.warning("crosstrace collector: store write failed: %s (%d batches failed so far; tracers are told "
+                        "to retry)", what, failed + 1, exc_info=new and not isinstance(exc, (OSError, sqlite3.Error)))
+            said_at = now
+        self._failing = (what, failed + 1, said_at)
 
 
 

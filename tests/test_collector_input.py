@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from crosstrace.collector.store import Store
+from crosstrace.launch import wait_until
 from crosstrace.proto import pb
 
-from .conftest import span_count
+from .conftest import run_python, span_count
 
 EXPORT = "/crosstrace.v1.Collector/Export"
 
@@ -692,3 +693,46 @@ def test_records_of_a_store_begun_before_they_had_a_time_are_kept_a_while(tmp_pa
         assert store.write([check(batch(3))])[0].resent
         plan = [row[3] for row in store.db.execute("EXPLAIN QUERY PLAN DELETE FROM batches WHERE received_ns < 0")]
         assert not [step for step in plan if step.startswith("SCAN")], plan   # each tick finds them by index
+
+
+def test_a_full_store_is_said_once_a_minute_and_its_recovery_too(tmp_path, caplog):
+    """A full disk failed every batch, each with a 12-line traceback in the collector's log.
+    Here SQLite's own page cap fills the store: a line says so, with a count, and another
+    says when batches go through again; the tracer's retries lose nothing."""
+    import logging
+    import threading
+
+    from crosstrace.collector.server import Collector
+
+    collector = Collector(str(tmp_path / "s.db"), "127.0.0.1:0").start()
+    try:
+        db = collector.store.db
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        with collector.store._lock:
+            db.execute(f"PRAGMA max_page_count = {pages}")   # full from now on
+        caplog.set_level(logging.WARNING, logger="crosstrace.collector")
+        done = threading.Event()
+        env = {"CROSSTRACE_ENDPOINT": collector.address, "CROSSTRACE_NODE_ID": "filler",
+               "CROSSTRACE_EXPORT_INTERVAL_MS": "100"}
+        worker = threading.Thread(target=lambda: (run_python("""
+            import time, crosstrace
+            p = crosstrace.init()
+            for i in range(30):
+                with p.get_tracer("t").start_as_current_span("s", attributes={"i": i, "blob": "x" * 200_000}):
+                    pass
+                time.sleep(0.1)
+            assert p.force_flush(60000)
+        """, env, timeout=90), done.set()))
+        worker.start()
+        assert wait_until(lambda: sum("store write failed" in r.getMessage() for r in caplog.records) >= 1, 30)
+        time.sleep(1.5)   # more batches fail meanwhile, unsaid
+        with collector.store._lock:
+            db.execute("PRAGMA max_page_count = 1073741823")
+        worker.join(90)
+        assert done.is_set()
+    finally:
+        collector.stop()
+    failed = [r for r in caplog.records if "store write failed" in r.getMessage()]
+    assert len(failed) == 1 and "database or disk is full" in failed[0].getMessage() and not failed[0].exc_info
+    assert any("the store takes batches again" in r.getMessage() for r in caplog.records)
+    assert span_count(str(tmp_path / "s.db")) == 30
