@@ -49,30 +49,37 @@ def test_sigkill_after_ack_loses_no_acked_span(tmp_path):
     provider.shutdown(timeout_millis=100)
 
 
-def test_collector_restart_mid_run_delivers_everything_once(tmp_path):
+def test_collector_restart_mid_run_delivers_everything_once(tmp_path, caplog):
+    """Each outage is said when it begins and when it ends (it was said once a process)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="crosstrace.tracer")
     path = str(tmp_path / "store.db")
     collector = CollectorProcess(path)
     port = collector.port
     provider = crosstrace.TracerProvider(endpoint=collector.address, node_id="restart",
                                          export_interval_ms=50)
     tracer = provider.get_tracer("t")
-    for i in range(5000):
-        with tracer.start_as_current_span("before", attributes={"i": i}):
-            pass
-    assert provider.force_flush(20_000)
-    collector.kill()
-    for i in range(5000):  # recorded while the collector is down: kept unacked, resent later
-        with tracer.start_as_current_span("during", attributes={"i": i}):
-            pass
-    time.sleep(0.5)
-    collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")
     try:
-        assert provider.force_flush(30_000)
-        assert span_count(path) == 10000
+        for outage in range(2):
+            for i in range(5000):
+                with tracer.start_as_current_span("before", attributes={"i": i}):
+                    pass
+            assert provider.force_flush(20_000)
+            collector.kill()
+            for i in range(5000):  # recorded while the collector is down: kept unacked, resent later
+                with tracer.start_as_current_span("during", attributes={"i": i}):
+                    pass
+            time.sleep(0.5)
+            collector = CollectorProcess(path, listen=f"127.0.0.1:{port}")
+            assert provider.force_flush(30_000)
+            assert span_count(path) == 10000 * (outage + 1)
     finally:
         provider.shutdown()
         collector.stop()
-    assert span_count(path) == 10000
+    assert span_count(path) == 20000
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("will retry" in m for m in said) == 2 and sum("works again" in m for m in said) == 2, said
 
 
 def test_a_failed_stream_is_opened_again_after_its_backoff_not_the_next_round(tmp_path):

@@ -184,6 +184,7 @@ class Exporter:
         self._spill_lock = threading.RLock()   # one spill at a time (the exporter's, shutdown's)
         self._closed = False                # shutdown is done: batches made after are counted, not kept
         self._ever_acked = False            # then a closed socket is no sign of a TLS mismatch
+        self._outage_since = None           # monotonic time the export stream first failed, until an ack
         self._stopping = False
         self._sent_dropped = 0 if forked else -1   # -1: a first batch at once, which says who this is
         self._channel = None
@@ -799,6 +800,10 @@ class Exporter:
                     self._warn_once("rejected", f"crosstrace: the collector rejected spans: {dict(ack.rejected)}")
                 if entry is not None:   # (an ack of no batch of ours, from a server gone wrong, is no progress)
                     self._backoff = 0.1
+                    if self._outage_since is not None:
+                        log.warning("crosstrace: export stream to %s works again, after %.0f s", self.cfg.endpoint,
+                                    time.monotonic() - self._outage_since)
+                        self._outage_since = None
         except grpc.RpcError as err:
             code = err.code()
             refused = code == grpc.StatusCode.INVALID_ARGUMENT or (
@@ -824,8 +829,10 @@ class Exporter:
                 hint = ""
                 if "Socket closed" in details and not self.cfg.uses_tls and not self._ever_acked:
                     hint = " (the collector closed a plaintext connection: if it serves TLS, set CROSSTRACE_TLS_CA)"
-                self._warn_once(f"rpc{code}", f"crosstrace: export stream to {self.cfg.endpoint} "
-                                f"failed ({code.name}: {details}){hint}; will retry")
+                if self._outage_since is None:   # said once an outage, and when it is over (above)
+                    self._outage_since = time.monotonic()
+                    log.warning("crosstrace: export stream to %s failed (%s: %s)%s; will retry", self.cfg.endpoint,
+                                code.name, details, hint)
         finally:
             requests.close()
             with self._lock:
