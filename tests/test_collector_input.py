@@ -314,13 +314,20 @@ def test_a_full_collector_tells_clients_to_retry(tmp_path):
             grpc.insecure_channel(collector.address) as channel:
         exchange = channel.unary_unary("/crosstrace.v1.Collector/ExchangeClock", request_serializer=None,
                                        response_deserializer=None)
+        def hold():   # an idle export stream, as a tracer between batches holds one
+            return channel.stream_stream(EXPORT, request_serializer=None,
+                                         response_deserializer=pb.ExportAck.FromString)(idle_requests(done))
+
+        def full() -> bool:
+            for i, call in enumerate(streams):
+                if call.done():   # refused while a probe held a slot: opened again
+                    streams[i] = hold()
+            return answer() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
         streams = []
         try:
-            for _ in range(2):   # idle export streams, as two tracers between batches hold them
-                call = channel.stream_stream(EXPORT, request_serializer=None,
-                                             response_deserializer=pb.ExportAck.FromString)(idle_requests(done))
-                streams.append(call)
-            assert wait_until(lambda: answer() == grpc.StatusCode.RESOURCE_EXHAUSTED, 20)   # once both are served
+            streams += [hold(), hold()]
+            assert wait_until(full, 20), [call.code() if call.done() else "open" for call in streams]   # both served
             streams[0].cancel()
             assert wait_until(lambda: isinstance(reply := answer(), bytes) and
                               pb.ClockProbeReply.FromString(reply).t1 == 1, 20)
