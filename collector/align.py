@@ -213,7 +213,7 @@ def causality(table: SpanTable, matches: Matches, models: list[ClockModel] | Non
         replied = answered(table, client)               # the reply leaves before it arrives
         parts.append((server[replied], True, client[replied], True))
     if len(matches.p2p):   # a receive on a device ends when queued: no fact
-        on_host = np.array([_on_host(table.attributes[r], sc.P2P_DEVICE) for r in matches.p2p[:, 1].tolist()],
+        on_host = np.array([host_side(table.attributes[r], sc.P2P_DEVICE) for r in matches.p2p[:, 1].tolist()],
                            dtype=bool)
         parts.append((matches.p2p[on_host, 0], False, matches.p2p[on_host, 1], True))
     rows_a, rows_b = [], []
@@ -256,10 +256,10 @@ def _ends_with_the_collective(attributes: dict | None) -> bool:
     """Whether a collective span ends when the collective has completed, as the facts need:
     not an async one (it ends when it was waited for), nor one on a device, which a
     synchronous call only queues (NCCL): a rank 50 ms late there moved a right clock 50 ms."""
-    return not attributes or not attributes.get(sc.COLL_ASYNC) and _on_host(attributes, sc.COLL_DEVICE)
+    return not attributes or not attributes.get(sc.COLL_ASYNC) and host_side(attributes, sc.COLL_DEVICE)
 
 
-def _on_host(attributes: dict | None, device_key: str) -> bool:
+def host_side(attributes: dict | None, device_key: str) -> bool:
     """Whether a span's tensors were on the host (or it names no device: not torch's)."""
     return not attributes or attributes.get(device_key, "cpu") == "cpu"
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
-from .align import Alignment
+from .align import Alignment, host_side
 from .matching import Matches
 from .spantable import SpanTable
 
@@ -316,7 +316,7 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     partner[send], partner[recv] = recv, send
     add(S[send], E[recv], Edge.MESSAGE)
     waited = start[recv] <= end[send]      # a send that ended first did not wait for its receive
-    waited[waited] = [d == "cpu" for d in table.attr(sc.P2P_DEVICE, send[waited].tolist(), "cpu")]
+    waited[waited] = [host_side(table.attributes[r], sc.P2P_DEVICE) for r in send[waited].tolist()]
     add(S[recv[waited]], E[send[waited]], Edge.RENDEZVOUS)
 
     # Collectives: one join per (instance, trace).

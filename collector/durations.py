@@ -15,6 +15,14 @@ def parse_ns(text) -> float | None:
     return float(m.group(1)) * UNITS_NS[m.group(2)] if m else None
 
 
+def _unit_of(ns: float) -> tuple[str, float]:
+    """The largest unit up to seconds that ns reaches, and its size in ns."""
+    for unit in ("s", "ms", "us"):
+        if abs(ns) >= UNITS_NS[unit]:
+            return unit, UNITS_NS[unit]
+    return "ns", 1
+
+
 def format_ns(ns, digits: int = 3, sep: str = " ") -> str:
     """ns in the largest unit up to seconds that it reaches, to `digits` significant digits
     ("28.4 ms", "950 ns"; whole units from 10**(digits-1) on: "1234 s"); "-" for None.
@@ -22,11 +30,9 @@ def format_ns(ns, digits: int = 3, sep: str = " ") -> str:
     if ns is None:
         return "-"
     ns = float(round(float(f"{float(ns):.{digits}g}")))   # rounded first: 999,999 ns is "1 ms", not "1000 us"
-    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
-        if abs(ns) >= scale:
-            value = ns / scale
-            return f"{value:.{digits}g}{sep}{unit}" if abs(value) < 10 ** (digits - 1) else f"{value:.0f}{sep}{unit}"
-    return f"{ns:.0f}{sep}ns"
+    unit, scale = _unit_of(ns)
+    value = ns / scale
+    return f"{value:.{digits}g}{sep}{unit}" if abs(value) < 10 ** (digits - 1) else f"{value:.0f}{sep}{unit}"
 
 
 def format_within(ns, bound_ns) -> str:
@@ -36,7 +42,6 @@ def format_within(ns, bound_ns) -> str:
         return format_ns(ns)
     step = 10 ** math.floor(math.log10(bound_ns))
     ns = round(ns / step) * step   # rounded first, as format_ns
-    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
-        if abs(ns) >= scale:
-            decimals = min(9, max(0, math.ceil(math.log10(scale / bound_ns))))
-            return f"{ns / scale:.{decimals}f} {unit}"
+    unit, scale = _unit_of(ns)
+    decimals = min(9, max(0, math.ceil(math.log10(scale / bound_ns))))
+    return f"{ns / scale:.{decimals}f} {unit}"

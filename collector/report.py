@@ -116,7 +116,7 @@ def analyse_report(store_path: str, trace_ids=None, progress=None, budget_file: 
         if progress:
             progress("stitching traces, finding critical paths, attributing latency")
         attributed = attribution.attribute(analysed.table, analysed.alignment, analysed.matches)
-        return build(store, analysed, budget_list, attributed), analysed, attributed
+        return build(store, analysed, attributed, budget_list), analysed, attributed
     finally:
         store.close()
 
@@ -131,10 +131,9 @@ def traces_with_details(a: Analysed, at: "attribution.Attribution") -> list[dict
     return traces
 
 
-def build(store, a: Analysed, budget_list=None, attributed: "attribution.Attribution | None" = None) -> dict:
-    """The report dict; `budget_list` (budgets.load) adds the budgets section, `attributed`
-    reuses an attribution already computed for these spans."""
-    at = attributed or attribution.attribute(a.table, a.alignment, a.matches)
+def build(store, a: Analysed, at: "attribution.Attribution", budget_list=None) -> dict:
+    """The report dict of spans analysed and attributed; `budget_list` (budgets.load) adds
+    the budgets section."""
     traces = traces_with_details(a, at)
     return {
         "store": store.path,

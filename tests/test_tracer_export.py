@@ -674,8 +674,8 @@ def test_spans_ended_on_other_threads_arrive(collector):
 
 def test_pool_workers_ended_by_sigterm_hand_their_spans_over(collector):
     """`with multiprocessing.Pool() as p:` ends its workers with SIGTERM (terminate()), idle
-    or in the middle of their exit: 0 to 11 of 20 spans were lost, uncounted. A forked
-    child's SIGTERM now hands them over first, and still ends the process by SIGTERM."""
+    or in the middle of their exit: 0 to 11 of 20 spans were lost, uncounted. A
+    multiprocessing child's SIGTERM now hands them over first, and still ends it by SIGTERM."""
     out = run_python("""
         import json, multiprocessing as mp, os, time, crosstrace
         p = crosstrace.init()

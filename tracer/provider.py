@@ -375,7 +375,6 @@ class TracerProvider(trace_api.TracerProvider):
         self._exporter = None if cfg.disabled else Exporter(cfg, self.clock, self._queue)
         self._shutdown = False
         self._flushed = True
-        self._shutting_down = None          # the thread running shutdown(), while it does
         self._shut_down = threading.Event()   # set once shutdown() is done
         self._lock = threading.Lock()
         _providers.add(self)   # for the process's exit and fork hooks (below)
@@ -427,18 +426,12 @@ class TracerProvider(trace_api.TracerProvider):
         timeout), and returns what it found."""
         with self._lock:
             first, self._shutdown = not self._shutdown, True
-            if first:
-                self._shutting_down = threading.get_ident()
         if not first:
-            if self._shutting_down not in (None, threading.get_ident()):
-                timeout = self.config.exit_flush_timeout_s if timeout_millis is None else timeout_millis / 1000
-                if not self._shut_down.wait(timeout):
-                    return False
-            return self._flushed
+            timeout = self.config.exit_flush_timeout_s if timeout_millis is None else timeout_millis / 1000
+            return self._shut_down.wait(timeout) and self._flushed
         try:
             self._flushed = self._stop(timeout_millis)
         finally:
-            self._shutting_down = None
             self._shut_down.set()
         return self._flushed
 
@@ -470,7 +463,7 @@ class TracerProvider(trace_api.TracerProvider):
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
-        self._shutting_down, done, self._shut_down = None, self._shut_down.is_set(), threading.Event()
+        done, self._shut_down = self._shut_down.is_set(), threading.Event()   # a waiter's lock may be held
         if done:
             self._shut_down.set()
         self._queue.reset_after_fork()

@@ -17,7 +17,6 @@ import os
 import signal
 import threading
 
-_SIG_DFL = 0
 _installed: tuple[int, int] | None = None   # this process's wakeup pipe (read end, write end)
 
 
@@ -66,7 +65,7 @@ def _watch(read: int, shut_down) -> None:
 def _terminate() -> None:
     """End this process by SIGTERM's default action (signal.signal is for the main thread
     only, which may be stuck in C: libc's signal() is called directly)."""
-    ctypes.CDLL(None).signal(signal.SIGTERM, ctypes.c_void_p(_SIG_DFL))
+    ctypes.CDLL(None).signal(signal.SIGTERM, ctypes.c_void_p(int(signal.SIG_DFL)))
     os.kill(os.getpid(), signal.SIGTERM)
 
 

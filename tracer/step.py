@@ -40,7 +40,7 @@ from opentelemetry.trace.status import StatusCode
 from ..proto import semconv as sc
 from .config import Config
 from .provider import TracerProvider, attach, context_with, current_context, detach_quietly, traced_calls
-from .span import RemoteParent, UnsampledSpan
+from .span import RemoteParent, Span, UnsampledSpan
 
 _M64 = (1 << 64) - 1
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -228,9 +228,8 @@ class Step:
                 span.record_exception(exc, escaped=True)
                 span.set_status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}")
             span.end()
-            sink = getattr(span, "_sink", None)   # (a span of another provider's has none)
-            if failed and sink is not None:   # sent now: torchrun ends the other ranks by SIGTERM when one fails
-                sink.wake()
+            if failed and isinstance(span, Span):   # sent now: torchrun ends the others by SIGTERM when one fails
+                span._sink.wake()
         return False
 
     def discard(self) -> None:

@@ -14,13 +14,11 @@ import numpy as np
 
 from ...proto.semconv import KIND_NAMES, Status
 from .. import attribution
-from ..durations import format_within
+from ..durations import format_ns, format_within
 from ..wording import counted
-from ..durations import format_ns as fmt_ns
 from .summaries import (clocks_to_show, errors_line, format_measured, format_worst, largest_segments,
                         slowest_first, stragglers_line)
 
-NAMES = attribution.NAMES
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
            "collective.wait": "#e15759", "collective.transfer": "#ff9d9a", "p2p.wait": "#b07aa1",
            "p2p.transfer": "#d4a6c8", "bubble": "#edc948", "host.overhead": "#bab0ac",
@@ -59,19 +57,20 @@ def _rect(x, y, w, h, category, title, extra=""):
 
 
 def _legend() -> str:
-    items = "".join(f'<span data-cat="{_cls(c)}"><i style="background:{COLOURS[c]}"></i>{c}</span>' for c in NAMES)
+    items = "".join(f'<span data-cat="{_cls(c)}"><i style="background:{COLOURS[c]}"></i>{c}</span>'
+                    for c in attribution.NAMES)
     return f'<div class="legend">{items}</div>'
 
 
 def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
     """A stacked bar of category -> ns, scaled so that `total` ns is `width` px."""
     x, parts = 0.0, []
-    for name in NAMES:
+    for name in attribution.NAMES:
         v = values.get(name, 0)
         if v <= 0:
             continue
         w = v / max(total, 1) * width
-        parts.append(_rect(x, 0, w, height, name, f"{name}: {fmt_ns(v)}"))
+        parts.append(_rect(x, 0, w, height, name, f"{name}: {format_ns(v)}"))
         x += w
     return f'<svg width="{width + 2:.0f}" height="{height}">{"".join(parts)}</svg>'
 
@@ -113,31 +112,33 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     pipeline = at.group_pipeline[at.group]
     for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(kinds[rows], pipeline[rows]).tolist()):
         y0 = top[int(t.node[r])] + d * ROW
-        title = f"{t.names[t.name[r]]} ({KIND_NAMES.get(int(t.kind[r]), 'internal')}) {fmt_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
+        kind = KIND_NAMES.get(int(t.kind[r]), "internal")
+        title = f"{t.names[t.name[r]]} ({kind}) {format_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
         outline = ' stroke="#fff" stroke-width="0.5"'
         if t.status[r] == Status.ERROR:
             message = t.extras.get(r, {}).get("status_message")
             title += f"\nERROR: {message}" if message else "\nERROR"
             outline = ' stroke="#c00" stroke-width="2"'
-        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, NAMES[c], title, outline))
+        parts.append(_rect(x_of(start[r]), y0, (end[r] - start[r]) * scale, ROW - 2, attribution.NAMES[c], title,
+                           outline))
     # Split spans: the wait, transfer and network parts drawn over their spans.
     p_rows, s, e, cat = pieces
     mine = np.isin(p_rows, rows)
     cat = attribution.rank_categories(cat, pipeline[p_rows])
     depth_of = dict(zip(rows.tolist(), depth.tolist()))
     for r, a, b, c in zip(p_rows[mine].tolist(), s[mine].tolist(), e[mine].tolist(), cat[mine].tolist()):
-        name = NAMES[c]
+        name = attribution.NAMES[c]
         y0 = top[int(t.node[r])] + depth_of[r] * ROW + 3
-        parts.append(_rect(x_of(a), y0, (b - a) * scale, ROW - 8, name, f"{name}: {fmt_ns(b - a)} in {t.names[t.name[r]]}"))
+        parts.append(_rect(x_of(a), y0, (b - a) * scale, ROW - 8, name, f"{name}: {format_ns(b - a)} in {t.names[t.name[r]]}"))
     # The critical path: a strip on top, and a line through the lanes it visits.
     lo, hi = paths.bounds[index], paths.bounds[index + 1]
     points = []
     for k in range(lo, hi):
         a, b = int(paths.start[k]), int(paths.end[k])
-        name = NAMES[at.segment_category[k]]
+        name = attribution.NAMES[at.segment_category[k]]
         node = int(dag.node[paths.dst[k]])
         span = at.segment_row[k]
-        label = f"{name}: {fmt_ns(b - a)}" + (f" in {t.names[t.name[span]]}" if span >= 0 else "") + f" on {t.nodes[node]}"
+        label = f"{name}: {format_ns(b - a)}" + (f" in {t.names[t.name[span]]}" if span >= 0 else "") + f" on {t.nodes[node]}"
         if b > a:
             parts.append(_rect(x_of(a), 6, (b - a) * scale, 12, name, label))
         yy = top[node] + lane_height[node] - 6
@@ -148,13 +149,12 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     for i in range(6):
         ns = duration * i / 5
         anchor = "end" if i == 5 else "middle"
-        parts.append(f'<text x="{LABEL + ns * scale:.1f}" y="{height - 6}" text-anchor="{anchor}">{fmt_ns(ns)}</text>')
+        parts.append(f'<text x="{LABEL + ns * scale:.1f}" y="{height - 6}" text-anchor="{anchor}">{format_ns(ns)}</text>')
     return (f'<svg class="timeline" width="{WIDTH}" height="{height}" data-trace="{trace["trace_id"]}">'
             f'{"".join(parts)}</svg>')
 
 
 def _budgets(report: dict) -> str:
-
     if not report.get("budgets"):
         return "<p>No budgets given (<code>--budget FILE</code>).</p>"
     rows = []
@@ -186,7 +186,7 @@ def _trace_bars(traces: list[dict], limit: int = 40) -> str:
     shown = f" (the {len(slowest)} slowest of {len(traces):,})" if len(slowest) < len(traces) else ""
     return f"<h2>traces: where the critical path goes{shown}</h2>" + _bars_table(("trace", "name", "duration", "errors", "critical path by category"), [
         ([f'<td><code>{tr["trace_id"][:16]}</code></td>', f'<td>{html.escape(tr["name"])}</td>',
-          f'<td class="num">{fmt_ns(tr["duration_ns"])}</td>',
+          f'<td class="num">{format_ns(tr["duration_ns"])}</td>',
           f'<td class="num{" error" if tr["errors"] else ""}">{tr["errors"]}</td>'], tr, tr["duration_ns"])
         for tr in slowest])
 
@@ -199,7 +199,7 @@ def _clocks(report: dict) -> str:
         nodes = clocks_to_show(clocks)
         rows = "".join(
             f'<tr><td>{html.escape(node)}</td><td class="num">{format_within(c["offset_ns"], c["error_bound_ns"])}</td>'
-            f'<td class="num">{c["drift_ppm"]:+.3f} ppm</td><td class="num">{fmt_ns(c["error_bound_ns"])}</td>'
+            f'<td class="num">{c["drift_ppm"]:+.3f} ppm</td><td class="num">{format_ns(c["error_bound_ns"])}</td>'
             f'<td class="num">{c["samples"]}</td><td>{html.escape(", ".join(c["flags"])) or "-"}</td></tr>'
             for node, c in ((node, clocks[node]) for node in nodes))
         out = ("<h2>clocks (offset = node clock - collector clock)</h2><table><tr><th>node</th><th>offset</th>"
@@ -217,7 +217,7 @@ def _rank_bars(trace: dict) -> str:
     ranks = sorted(trace["per_rank"].items(), key=lambda kv: (kv[1]["rank"] < 0, kv[1]["rank"], kv[0]))
     return _bars_table(("node", "rank", "window", "time by category"), [
         ([f"<td>{html.escape(node)}</td>", f'<td class="num">{v["rank"] if v["rank"] >= 0 else "-"}</td>',
-          f'<td class="num">{fmt_ns(v["window_ns"])}</td>'], v, v["window_ns"]) for node, v in ranks])
+          f'<td class="num">{format_ns(v["window_ns"])}</td>'], v, v["window_ns"]) for node, v in ranks])
 
 
 def _kinds(summary: dict, traces: list[dict], limit: int = 5, rows: int = 14) -> str:
@@ -227,11 +227,11 @@ def _kinds(summary: dict, traces: list[dict], limit: int = 5, rows: int = 14) ->
         d = k["duration"]
         cells = "".join(
             f'<tr><td><i style="background:{COLOURS[seg["category"]]}"></i> {html.escape(seg["segment"])}</td>'
-            + "".join(f'<td class="num">{fmt_ns(seg[f"{q}_ns"])}</td>' for q in ("p50", "p95", "p99", "mean"))
+            + "".join(f'<td class="num">{format_ns(seg[f"{q}_ns"])}</td>' for q in ("p50", "p95", "p99", "mean"))
             + f'<td class="num">{seg["share"]:.0%}</td></tr>'
             for seg in largest_segments(k["segments"], rows))
-        out.append(f'<h3>{html.escape(name)}: {counted(k["traces"], "trace")}, p50 {fmt_ns(d["p50_ns"])}, '
-                   f'p95 {fmt_ns(d["p95_ns"])}, p99 {fmt_ns(d["p99_ns"])}</h3>'
+        out.append(f'<h3>{html.escape(name)}: {counted(k["traces"], "trace")}, p50 {format_ns(d["p50_ns"])}, '
+                   f'p95 {format_ns(d["p95_ns"])}, p99 {format_ns(d["p99_ns"])}</h3>'
                    f'<table class="kind"><tr><th>critical-path segment (path order)</th><th>p50</th><th>p95</th>'
                    f'<th>p99</th><th>mean</th><th>share</th></tr>{cells}</table>')
         line = stragglers_line(name, k["traces"], traces)
@@ -247,14 +247,14 @@ def _trace_section(title: str, trace: dict, analysed, at, kinds, pieces) -> str:
     if s:
         rank = f" (rank {s['rank']})" if s["rank"] >= 0 else ""
         straggler = (f"<p>Straggler: <b>{html.escape(s['node'])}</b>{rank}, busy in "
-                     f"<b>{html.escape(str(s['span']))}</b>, made others wait {fmt_ns(s['delay_cost_ns'])} in all.</p>")
+                     f"<b>{html.escape(str(s['span']))}</b>, made others wait {format_ns(s['delay_cost_ns'])} in all.</p>")
     pipe = trace.get("pipeline")
     if pipe:
         straggler += (f"<p>Pipeline {html.escape(str(pipe['schedule']))}: bubble {pipe['bubble_fraction']:.1%} "
                       f"(ideal {pipe['ideal_bubble_fraction']:.1%} for {pipe['ranks']} ranks, "
                       f"{pipe['microbatches']} microbatches).</p>")
     return (f'<section class="trace"><h2>{title}: {html.escape(trace["name"])} <code>{trace["trace_id"][:16]}</code>, '
-            f'{fmt_ns(trace["duration_ns"])}, {counted(trace["spans"], "span")} on {counted(trace["nodes"], "node")}</h2>{straggler}'
+            f'{format_ns(trace["duration_ns"])}, {counted(trace["spans"], "span")} on {counted(trace["nodes"], "node")}</h2>{straggler}'
             f'{_timeline(trace, index, analysed, at, kinds, pieces)}<h3>per rank</h3>{_rank_bars(trace)}</section>')
 
 

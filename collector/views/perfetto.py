@@ -127,7 +127,6 @@ def trace_events(analysed, at: "attribution.Attribution") -> dict:
     cp_pid = len(t.nodes) + 1
     events.append({"ph": "M", "name": "process_name", "pid": cp_pid, "args": {"name": "critical path"}})
     events.append({"ph": "M", "name": "process_sort_index", "pid": cp_pid, "args": {"sort_index": -1}})
-    names = attribution.NAMES
     for tr in np.unique(paths.trace).tolist():
         cp_tid = n_lanes + 1 + tr
         events.append({"ph": "M", "name": "thread_name", "pid": cp_pid, "tid": cp_tid,
@@ -135,7 +134,7 @@ def trace_events(analysed, at: "attribution.Attribution") -> dict:
     seg_ts, seg_dur = us(paths.start), us(paths.end, paths.start)
     for k in np.flatnonzero(paths.end > paths.start).tolist():
         r, node = int(at.segment_row[k]), int(dag.node[paths.dst[k]])
-        category = names[at.segment_category[k]]
+        category = attribution.NAMES[at.segment_category[k]]
         events.append({"ph": "X", "name": category, "cat": "critical_path", "ts": seg_ts[k], "dur": seg_dur[k],
                        "pid": cp_pid, "tid": n_lanes + 1 + int(paths.trace[k]),
                        "args": {"span": t.names[t.name[r]] if r >= 0 else None, "node": t.nodes[node],

@@ -6,8 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..durations import format_ns as fmt_ns
-from ..durations import format_within
+from ..durations import format_ns, format_within
 from ..wording import counted
 from .summaries import (CLOCK_ROWS, NODES_LISTED, clocks_to_show, errors_line, format_measured, format_worst,
                         largest_segments, slowest_first, stragglers_line, verdict)
@@ -46,8 +45,8 @@ def render(report: dict, console: Console | None = None, limit: int = 10) -> Non
             table.add_column(col, justify="right" if col in ("duration", "spans", "nodes", "errors") else "left")
         for t in ordered[:limit]:
             attribution = sorted(((k, v) for k, v in t["attribution"].items() if v > 0), key=lambda kv: -kv[1])[:3]
-            top = ", ".join(f"{k} {fmt_ns(v)}" for k, v in attribution) or "-"
-            cells = [t["trace_id"][:16], escape(t["name"]), fmt_ns(t["duration_ns"]), str(t["spans"]), str(t["nodes"])]
+            top = ", ".join(f"{k} {format_ns(v)}" for k, v in attribution) or "-"
+            cells = [t["trace_id"][:16], escape(t["name"]), format_ns(t["duration_ns"]), str(t["spans"]), str(t["nodes"])]
             if errors:
                 cells.append(f"[red]{t['errors']}[/]" if t["errors"] else "0")
             table.add_row(*cells, top)
@@ -94,8 +93,9 @@ def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS,
         table.add_column(col, justify="left" if col in ("node", "sources", "flags") else "right")
     for node in nodes:
         c = clocks[node]
-        cells = {"node": escape(node), "offset": format_within(c["offset_ns"], c["error_bound_ns"]), "drift": f"{c['drift_ppm']:+.3f} ppm",
-                 "error bound": fmt_ns(c["error_bound_ns"]), "samples": str(c["samples"]),
+        cells = {"node": escape(node), "offset": format_within(c["offset_ns"], c["error_bound_ns"]),
+                 "drift": f"{c['drift_ppm']:+.3f} ppm",
+                 "error bound": format_ns(c["error_bound_ns"]), "samples": str(c["samples"]),
                  "drift bound": "-" if c["drift_bound_ppm"] is None else f"{c['drift_bound_ppm']:.3f} ppm",
                  "sources": escape(", ".join(c["sources"])) or "-", "flags": escape(", ".join(c["flags"])) or "-"}
         table.add_row(*(cells[col] for col in columns))
@@ -104,20 +104,20 @@ def render_clocks(clocks: dict, console: Console, rows: int | None = CLOCK_ROWS,
 
 def render_slowest(trace: dict, console: Console, limit: int = 12) -> None:
     """The slowest trace's critical path (longest segments first), straggler and pipeline."""
-    path = Table(title=f"critical path of the slowest trace {trace['trace_id'][:16]} ({fmt_ns(trace['duration_ns'])}), "
+    path = Table(title=f"critical path of the slowest trace {trace['trace_id'][:16]} ({format_ns(trace['duration_ns'])}), "
                        f"longest segments", title_justify="left")
     for col in ("category", "node", "span", "duration", "share", "confidence"):
         path.add_column(col, justify="right" if col in ("duration", "share", "confidence") else "left")
     for seg in sorted(trace["critical_path"], key=lambda s: -s["duration_ns"])[:limit]:
         node = f"{seg['from_node']} -> {seg['node']}" if "from_node" in seg else seg["node"]
-        path.add_row(seg["category"], escape(node), escape(seg["span"] or "-"), fmt_ns(seg["duration_ns"]),
+        path.add_row(seg["category"], escape(node), escape(seg["span"] or "-"), format_ns(seg["duration_ns"]),
                      f"{seg['duration_ns'] / max(trace['duration_ns'], 1):.0%}", f"{seg['confidence']:.2f}")
     console.print(path)
     s = trace.get("straggler")
     if s:
         rank = f" (rank {s['rank']})" if s["rank"] >= 0 else ""
         console.print(f"straggler: {escape(s['node'])}{rank}, busy in {escape(repr(s['span']))}, made others wait "
-                      f"{fmt_ns(s['delay_cost_ns'])} in all")
+                      f"{format_ns(s['delay_cost_ns'])} in all")
     p = trace.get("pipeline")
     if p:
         console.print(f"pipeline {escape(str(p['schedule']))}: bubble {p['bubble_fraction']:.1%} measured, "
@@ -137,8 +137,8 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
     segment in path order and by category, then the slowest traces segment by segment."""
     for name, k in sorted(summary.items(), key=lambda kv: -kv[1]["traces"])[:kinds]:
         d = k["duration"]
-        table = Table(title=f"{escape(repr(name))}: {counted(k['traces'], 'trace')}, p50 {fmt_ns(d['p50_ns'])}, p95 {fmt_ns(d['p95_ns'])}, "
-                            f"p99 {fmt_ns(d['p99_ns'])}", title_justify="left")
+        table = Table(title=f"{escape(repr(name))}: {counted(k['traces'], 'trace')}, p50 {format_ns(d['p50_ns'])}, p95 {format_ns(d['p95_ns'])}, "
+                            f"p99 {format_ns(d['p99_ns'])}", title_justify="left")
         table.add_column("critical path: segment (path order), category")
         for col in ("p50", "p95", "p99", "mean", "share", "on path"):
             table.add_column(col, justify="right", no_wrap=True)
@@ -159,7 +159,7 @@ def render_kinds(summary: dict, traces: list[dict], console: Console, limit: int
 
 
 def _stat_cells(stats: dict) -> list[str]:
-    return [fmt_ns(stats[key]) for key in ("p50_ns", "p95_ns", "p99_ns", "mean_ns")]
+    return [format_ns(stats[key]) for key in ("p50_ns", "p95_ns", "p99_ns", "mean_ns")]
 
 
 def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: int) -> None:
@@ -178,15 +178,14 @@ def _per_trace(name: str, k: dict, traces: list[dict], console: Console, limit: 
     mine = slowest_first([t for t in traces if t["name"] == name])[:limit]
     for t in mine:
         values = t.get("segments", {})
-        cells = [fmt_ns(values.get(seg["segment"], 0)) for seg in shown]
+        cells = [format_ns(values.get(seg["segment"], 0)) for seg in shown]
         if other:
-            cells.append(fmt_ns(sum(values.values()) - sum(values.get(seg["segment"], 0) for seg in shown)))
-        table.add_row(t["trace_id"][:16], fmt_ns(t["duration_ns"]), *cells)
+            cells.append(format_ns(sum(values.values()) - sum(values.get(seg["segment"], 0) for seg in shown)))
+        table.add_row(t["trace_id"][:16], format_ns(t["duration_ns"]), *cells)
     console.print(table)
 
 
 def render_budgets(results: list[dict], n_traces: int, console: Console | None = None) -> None:
-
     console = console or wide_console()
     table = Table(title=f"budgets ({counted(n_traces, 'trace')})", title_justify="left")
     for col in ("budget", "measured", "limit", "samples", "status", "worst traces"):

@@ -7,7 +7,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from ..collector.durations import format_within
+from ..collector.durations import format_ns, format_within
 from ..collector.views import terminal
 from ..collector.views.summaries import stragglers
 from ..demo import WORKLOADS
@@ -65,7 +65,7 @@ def run(args) -> int:
         injected = injected_offset_at(clock, epoch, got["at_local_ns"])
         bound = got["error_bound_ns"]
         table.add_row(node, format_within(injected, bound), format_within(got["offset_ns"], bound),
-                      terminal.fmt_ns(got["offset_ns"] - injected), terminal.fmt_ns(got["error_bound_ns"]),
+                      format_ns(got["offset_ns"] - injected), format_ns(got["error_bound_ns"]),
                       f"{clock['drift_ppm']:+.1f} ppm", _drift(got))
     console.print(table)
     findings = Table(title="workloads: what was injected vs. what the analysis found", title_justify="left")
@@ -92,7 +92,7 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
     if "edge" in injected:
         e = injected["edge"]
         legs = summary.get("edge-request", {}).get("attribution", {})
-        found = ", ".join(f"{leg} p50 {terminal.fmt_ns(legs[leg]['p50_ns'])}" for leg in
+        found = ", ".join(f"{leg} p50 {format_ns(legs[leg]['p50_ns'])}" for leg in
                           ("network.uplink", "network.downlink") if leg in legs)
         rows.append(("edge", f"link {e['up_ms']} ms up, {e['down_ms']} ms down (±{e['jitter_ms']} ms); "
                              f"edge clock {e['edge_offset_ns'] / 1e6:+.0f} ms", found or "no edge requests"))
@@ -104,7 +104,7 @@ def workload_findings(report: dict) -> list[tuple[str, str, str]]:
         waits = [t["per_rank"][n]["attribution"].get("collective.wait", 0) for t in steps
                  for n in t["per_rank"] if n != top]
         found = (f"straggler {top} in {times} of {len(steps)} steps; the other ranks' "
-                 f"collective.wait median {terminal.fmt_ns(statistics.median(waits))}" if top else "no straggler")
+                 f"collective.wait median {format_ns(statistics.median(waits))}" if top else "no straggler")
         rows.append(("ddp", f"{d['straggler_node']} sleeps {d['straggle_ms']} ms at the end of its {d['straggler_span']} "
                             "(before backward)", found))
     if "pipeline" in injected:
