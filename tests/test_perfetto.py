@@ -1,7 +1,7 @@
 """`crosstrace export --perfetto`: Chrome trace-event JSON as Perfetto and chrome://tracing
-read it. Flow events (v1) bind to the slice that encloses them on their thread track, so
-each arrow must start inside its send (client, last participant) and end inside its
-receive (server, waiting participant)."""
+read it. Perfetto draws a flow arrow from the end of its first slice to the start of its
+second, and points it from the slice that began first; so each arrow must join two
+zero-length slices at the instants the DAG's edge joins, on the tracks of its two spans."""
 import json
 import os
 import subprocess
@@ -33,21 +33,19 @@ def mixed_table():
 
 def perfetto_import(events) -> tuple[dict, dict]:
     """What Perfetto's JSON importer makes of the events: per track, the slices it keeps
-    (it drops a complete slice that begins inside the slice on top and ends after it), and
-    per flow event (id, phase), the slice it binds to: the top of its track's stack, which
-    pops ended slices only when a later slice begins. Times are read as int(us * 1000)
-    (json_utils CoerceToTs, truncating) and sorted stably."""
-    ns = {id(e): int(e["ts"] * 1000.0) for e in events if e["ph"] in "Xsf"}
+    (it drops a complete slice that begins inside the slice on top and ends after it, and
+    pops ended slices only when a later slice begins), and per flow (bind_id), the slices
+    its flow_out and flow_in events bind to: each binds to itself, the top of its track's
+    stack once it is pushed. Times are read as int(us * 1000) (json_utils CoerceToTs,
+    truncating) and sorted stably."""
+    ns = {id(e): int(e["ts"] * 1000.0) for e in events if e["ph"] == "X"}
     by_track: dict = {}
-    for e in sorted((e for e in events if e["ph"] in "Xsf"), key=lambda e: ns[id(e)]):
+    for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: ns[id(e)]):
         by_track.setdefault((e["pid"], e["tid"]), []).append(e)
     kept, bound = {}, {}
     for track, items in by_track.items():
         stack = []   # (end ns, event)
         for e in items:
-            if e["ph"] != "X":
-                bound[(e["id"], e["ph"])] = stack[-1][1] if stack else None
-                continue
             begin = ns[id(e)]
             end = begin + int(e["dur"] * 1000.0)
             while stack and (stack[-1][0] < begin or stack[-1][0] == begin and not (
@@ -57,35 +55,43 @@ def perfetto_import(events) -> tuple[dict, dict]:
                 continue    # dropped: slice_drop_overlapping_complete_event
             stack.append((end, e))
             kept.setdefault(track, []).append(e)
+            if "bind_id" in e:
+                bound.setdefault(e["bind_id"], {})["out" if e.get("flow_out") else "in"] = e
     return kept, bound
 
 
 def check(doc: dict, table) -> dict:
     """Structural checks, and every slice and flow as Perfetto imports them; returns
-    {flow name: [(from span, to span)]}."""
+    {flow name: [(from span, to span)]}. Each arrow, as Perfetto draws it, runs forward
+    in time from an instant of its first span (its start or end) to one of its second."""
     events = doc["traceEvents"]
     names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert {n for _, n in names} >= {"critical path"}
     assert len(names) == len(table.nodes) + 1
-    spans = [e for e in events if e["ph"] == "X" and e["cat"] != "critical_path"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] not in ("critical_path", "flow")]
     assert len(spans) == len(table)
     assert min(int(e["ts"] * 1000.0) for e in spans) == 0
     for e in events:
         if e["ph"] == "X":
             assert e["dur"] >= 0 and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+    assert not any(e["ph"] in "stf" for e in events)
     kept, bound = perfetto_import(events)
     assert sum(map(len, kept.values())) == sum(e["ph"] == "X" for e in events)   # Perfetto drops none
-    flows: dict = {}
-    for e in events:
-        if e["ph"] in "sf":
-            flows.setdefault(e["id"], {})[e["ph"]] = e
+    by_id = {e["args"]["span_id"]: e for e in spans}
     out: dict = {}
-    for flow_id, pair in flows.items():
-        assert set(pair) == {"s", "f"} and pair["f"]["bp"] == "e"
-        assert pair["s"]["name"] == pair["f"]["name"] and pair["s"]["cat"] == pair["f"]["cat"]
-        a, b = bound[(flow_id, "s")], bound[(flow_id, "f")]
-        assert a is not None and b is not None
-        out.setdefault(pair["s"]["name"], []).append((a["name"], b["name"]))
+    for flow_id, pair in bound.items():
+        assert set(pair) == {"out", "in"}
+        a, b = pair["out"], pair["in"]
+        assert a["name"] == b["name"] and a["cat"] == b["cat"] == "flow" and a["dur"] == b["dur"] == 0
+        assert int(a["ts"] * 1000.0) <= int(b["ts"] * 1000.0)        # forward in time
+        ends = []
+        for marker in (a, b):
+            span = by_id[marker["args"]["span_id"]]
+            assert (marker["pid"], marker["tid"]) == (span["pid"], span["tid"])
+            begin = int(span["ts"] * 1000.0)
+            assert int(marker["ts"] * 1000.0) in (begin, begin + int(span["dur"] * 1000.0))
+            ends.append(span["name"])
+        out.setdefault(a["name"], []).append(tuple(ends))
     return out
 
 
@@ -127,8 +133,10 @@ def test_export_command_on_a_real_store(rpc_store, tmp_path):
     doc = json.loads(out.read_text())
     names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"frontend", "gateway", "model", "critical path"}
-    flows = [e for e in doc["traceEvents"] if e["ph"] == "s"]
+    _, flows = perfetto_import(doc["traceEvents"])
     assert len(flows) == 8 * 2 * 2     # 8 requests, two hops, request and response each
+    for pair in flows.values():        # forward in time, on the aligned clocks of three nodes
+        assert pair["out"]["pid"] != pair["in"]["pid"] and pair["out"]["ts"] <= pair["in"]["ts"]
     result = subprocess.run([sys.executable, "-m", "crosstrace", "export", "--store", rpc_store],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "nothing to export" in result.stderr

@@ -1,12 +1,21 @@
 """The aligned traces as Chrome trace-event JSON, for Perfetto UI and chrome://tracing.
 
 One process per node (named by node id and rank), one thread track per recording
-thread; every span a complete ("X") event. Flow arrows (v1 "s"/"f" events, bound to the
-enclosing slices) join each send to its receive (and a receive posted first to its send,
-whose end waited for it), each RPC client to its server and back,
-and each collective's last entry to every participant's end. The critical path of each
-trace is its own track in a "critical path" process, one slice per segment named by its
-category, and every span on it carries `critical_path_ns` in its args.
+thread; every span a complete ("X") event. Flow arrows follow the DAG's edges between
+spans: a send's start to its receive's end (and a receive posted first to the end of its
+send, which waited for it), an RPC client's start to its server's start and the server's
+end to the client's end, a collective's last entry to every participant's end.
+
+Perfetto draws an arrow from the end of one slice to the start of another, pointing from
+the one that began first: bound to the spans themselves, a request's arrow ran from the
+client's end back to the server's start. So each arrow joins two zero-length "flow" slices,
+on its spans' tracks at the instants the edge joins, bound to them by id (flow v2:
+bind_id with flow_out or flow_in binds to the slice itself, not to what encloses a time).
+
+The critical path of each trace is its own track in a "critical path" process, one slice
+per segment named by its category, and every span on it carries `critical_path_ns` in its
+args.
+
 Times are microseconds from the earliest span (the reference time of that instant is in
 otherData.crosstrace.t0_ns), each 0.1 ns past its instant: Perfetto reads a time as
 int(us * 1000), and 8389376.256 us times 1000 is 8389376255.99..., one ns early, which made
@@ -53,20 +62,6 @@ def _tracks(t, start, end) -> tuple[np.ndarray, list]:
     return tid, [(first[key], key[1]) for key in keys]
 
 
-def _binding_times(tid: np.ndarray, start: np.ndarray) -> np.ndarray:
-    """Per span, when a flow event binds to it. Perfetto binds a flow event to the slice on
-    top of its track's stack, and pops ended slices only when a later slice begins: at a
-    span's end its last child is still on top. A span is on top from its start until the
-    next slice begins on its track (its first child, or the next span): 1 ns in, or at its
-    start where another slice begins within that ns (a child that begins with its parent
-    cannot be told from it by time, and takes its flows)."""
-    order = np.lexsort((start, tid))
-    following = np.full(len(start), np.iinfo(np.int64).max, dtype=np.int64)
-    same_track = tid[order][1:] == tid[order][:-1]
-    following[order[:-1][same_track]] = start[order][1:][same_track]
-    return start + (following - start > 1)
-
-
 def trace_events(analysed, at: "attribution.Attribution") -> dict:
     t, al = analysed.table, analysed.alignment
     dag, paths = at.dag, at.paths
@@ -111,17 +106,19 @@ def trace_events(analysed, at: "attribution.Attribution") -> dict:
         events.append({"ph": "X", "name": t.names[t.name[i]], "cat": args["kind"], "ts": ts[i], "dur": dur[i],
                        "pid": int(pid[i]), "tid": int(tid[i]), "args": args})
 
-    # Flow arrows along the DAG's cross-span edges.
-    row_src, row_dst = dag.row_of(dag.src), dag.row_of(dag.dst)
-    bind = us(_binding_times(tid, start))
-    for flow_id, e in enumerate(np.flatnonzero(np.isin(dag.edge, list(_FLOWS))).tolist(), 1):
-        a, b, name = int(row_src[e]), int(row_dst[e]), _FLOWS[Edge(int(dag.edge[e]))]
-        if a == b:
+    # Flow arrows along the DAG's cross-span edges, between zero-length slices at their ends.
+    flows = np.flatnonzero(np.isin(dag.edge, list(_FLOWS)))
+    ends = np.stack([dag.src[flows], dag.dst[flows]])
+    rows, at_us = dag.row_of(ends), us(dag.time[ends])
+    for k, e in enumerate(flows.tolist()):
+        if rows[0, k] == rows[1, k]:   # a collective's last entry to its own end
             continue
-        events.append({"ph": "s", "id": flow_id, "name": name, "cat": "flow", "ts": bind[a],
-                       "pid": int(pid[a]), "tid": int(tid[a])})
-        events.append({"ph": "f", "bp": "e", "id": flow_id, "name": name, "cat": "flow", "ts": bind[b],
-                       "pid": int(pid[b]), "tid": int(tid[b])})
+        name = _FLOWS[Edge(int(dag.edge[e]))]
+        for side, direction in enumerate(("flow_out", "flow_in")):
+            r = int(rows[side, k])
+            events.append({"ph": "X", "name": name, "cat": "flow", "ts": at_us[side][k], "dur": 0,
+                           "pid": int(pid[r]), "tid": int(tid[r]), "bind_id": k + 1, direction: True,
+                           "args": {"span_id": f"{int(t.span_id[r]):016x}"}})
 
     # The critical path: one track per trace.
     cp_pid = len(t.nodes) + 1
