@@ -36,34 +36,37 @@ def perfetto_import(events) -> tuple[dict, dict]:
     (it drops a complete slice that begins inside the slice on top and ends after it, and
     pops ended slices only when a later slice begins), and per flow (bind_id), the slices
     its flow_out and flow_in events bind to: each binds to itself, the top of its track's
-    stack once it is pushed. Times are read as int(us * 1000) (json_utils CoerceToTs,
-    truncating) and sorted stably."""
+    stack once it is pushed; a flow_in read before its flow_out is dropped. Events are
+    sorted by time, the longer first among equal times, then in file order (trace_sorter);
+    times are read as int(us * 1000) (older releases truncate, newer round: the same here).
+    Each bound marker also gets "_under": the slices open beneath it."""
     ns = {id(e): int(e["ts"] * 1000.0) for e in events if e["ph"] == "X"}
-    by_track: dict = {}
-    for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: ns[id(e)]):
-        by_track.setdefault((e["pid"], e["tid"]), []).append(e)
-    kept, bound = {}, {}
-    for track, items in by_track.items():
-        stack = []   # (end ns, event)
-        for e in items:
-            begin = ns[id(e)]
-            end = begin + int(e["dur"] * 1000.0)
-            while stack and (stack[-1][0] < begin or stack[-1][0] == begin and not (
-                    end == begin == ns[id(stack[-1][1])])):   # zero-length slices at one instant nest
-                stack.pop()
-            if stack and end > stack[-1][0]:
-                continue    # dropped: slice_drop_overlapping_complete_event
-            stack.append((end, e))
-            kept.setdefault(track, []).append(e)
-            if "bind_id" in e:
-                bound.setdefault(e["bind_id"], {})["out" if e.get("flow_out") else "in"] = e
+    kept, bound, stacks = {}, {}, {}     # stacks: per track, (end ns, event) of the open slices
+    for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: (ns[id(e)], -int(e["dur"] * 1000.0))):
+        track = (e["pid"], e["tid"])
+        stack = stacks.setdefault(track, [])
+        begin = ns[id(e)]
+        end = begin + int(e["dur"] * 1000.0)
+        while stack and (stack[-1][0] < begin or stack[-1][0] == begin and not (
+                end == begin == ns[id(stack[-1][1])])):   # zero-length slices at one instant nest
+            stack.pop()
+        if stack and end > stack[-1][0]:
+            continue    # dropped: slice_drop_overlapping_complete_event
+        under = [u for _, u in stack]
+        stack.append((end, e))
+        kept.setdefault(track, []).append(e)
+        if "bind_id" in e:
+            pair = bound.setdefault(e["bind_id"], {})
+            if e.get("flow_out") or "out" in pair:   # else flow_end_without_start
+                pair["out" if e.get("flow_out") else "in"] = {**e, "_under": under}
     return kept, bound
 
 
 def check(doc: dict, table) -> dict:
     """Structural checks, and every slice and flow as Perfetto imports them; returns
     {flow name: [(from span, to span)]}. Each arrow, as Perfetto draws it, runs forward
-    in time from an instant of its first span (its start or end) to one of its second."""
+    in time from an instant of its first span (its start, or 1 ns before its end) to one
+    of its second, each marker inside its span."""
     events = doc["traceEvents"]
     names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert {n for _, n in names} >= {"critical path"}
@@ -87,9 +90,9 @@ def check(doc: dict, table) -> dict:
         ends = []
         for marker in (a, b):
             span = by_id[marker["args"]["span_id"]]
-            assert (marker["pid"], marker["tid"]) == (span["pid"], span["tid"])
+            assert span in marker["_under"]                           # inside its span
             begin = int(span["ts"] * 1000.0)
-            assert int(marker["ts"] * 1000.0) in (begin, begin + int(span["dur"] * 1000.0))
+            assert int(marker["ts"] * 1000.0) in (begin, begin + int(span["dur"] * 1000.0) - 1)
             ends.append(span["name"])
         out.setdefault(a["name"], []).append(tuple(ends))
     return out
@@ -123,6 +126,23 @@ def test_processes_flows_and_critical_path(tmp_path):
                 and e["args"].get("critical_path_ns")]
     assert len(backward) == 1 and backward[0]["args"]["critical_path_ns"] == 60 * MS
     assert {e["name"] for e in cp} >= {"compute", "collective.transfer"}
+
+
+def test_an_edge_that_runs_backward_keeps_its_arrow(tmp_path):
+    """Where the aligned clocks leave a receive ending before its send began (a causality
+    violation within the error bounds), the arrow's end marker is drawn at its start, with
+    the violation in its args: Perfetto and chrome://tracing drop a flow whose end they read
+    before its start."""
+    s = Spans()
+    s.add("send", Kind.SEND, 105, 112, "rank0", **p2p(0, 1, 0))
+    s.add("recv", Kind.RECV, 100, 104, "rank1", **p2p(0, 1, 0))
+    table, alignment = build(s.spans, {"rank0": 0, "rank1": 0})
+    analysed = Analysed(table, alignment, match(table))
+    doc = perfetto.trace_events(analysed, attribute(table, alignment, analysed.matches))
+    _, bound = perfetto_import(doc["traceEvents"])
+    [pair] = [pair for pair in bound.values() if pair["out"]["name"] == "p2p"]
+    assert set(pair) == {"out", "in"} and pair["out"]["ts"] == pair["in"]["ts"]
+    assert pair["in"]["args"]["causality_violation_ns"] == 1 * MS
 
 
 def test_export_command_on_a_real_store(rpc_store, tmp_path):

@@ -11,15 +11,18 @@ the one that began first: bound to the spans themselves, a request's arrow ran f
 client's end back to the server's start. So each arrow joins two zero-length "flow" slices,
 on its spans' tracks at the instants the edge joins, bound to them by id (flow v2:
 bind_id with flow_out or flow_in binds to the slice itself, not to what encloses a time).
+Perfetto draws the arrows of the selected slices, so a user now clicks a marker (or drags
+over an area), not the span, to see them.
 
 The critical path of each trace is its own track in a "critical path" process, one slice
 per segment named by its category, and every span on it carries `critical_path_ns` in its
 args.
 
 Times are microseconds from the earliest span (the reference time of that instant is in
-otherData.crosstrace.t0_ns), each 0.1 ns past its instant: Perfetto reads a time as
-int(us * 1000), and 8389376.256 us times 1000 is 8389376255.99..., one ns early, which made
-back-to-back critical-path segments overlap and Perfetto drop one of the two.
+otherData.crosstrace.t0_ns), each 0.1 ns past its instant: Perfetto read a time as
+int(us * 1000) (newer releases round it), and 8389376.256 us times 1000 is
+8389376255.99..., one ns early, which made back-to-back critical-path segments overlap and
+Perfetto drop one of the two.
 """
 import numpy as np
 
@@ -60,6 +63,22 @@ def _tracks(t, start, end) -> tuple[np.ndarray, list]:
     for r, key in enumerate(zip(lane.tolist(), track.tolist())):
         first.setdefault(key, r)
     return tid, [(first[key], key[1]) for key in keys]
+
+
+def _flow_ends(dag, flows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each flow edge: the instants of its two markers (2 x n), the rows of their spans,
+    and by how much the edge runs backward on the aligned clocks (a causality violation
+    left within the error bounds). A span's end is drawn 1 ns inside it: at the end itself,
+    Perfetto closes the span first and the marker lands in whatever begins there. A marker
+    that would come before its source is drawn at the source's instant: Perfetto and
+    chrome://tracing drop a flow whose end is read before its start."""
+    events = np.stack([dag.src[flows], dag.dst[flows]])
+    rows = dag.row_of(events)
+    times = dag.time[events]
+    is_end = (events < 2 * dag.n_rows) & (events % 2 == 1)
+    instants = np.where(is_end, np.maximum(times - 1, dag.starts[rows]), times)
+    instants[1] = np.maximum(instants[1], instants[0])
+    return instants, rows, np.maximum(times[0] - times[1], 0)
 
 
 def trace_events(analysed, at: "attribution.Attribution") -> dict:
@@ -108,17 +127,20 @@ def trace_events(analysed, at: "attribution.Attribution") -> dict:
 
     # Flow arrows along the DAG's cross-span edges, between zero-length slices at their ends.
     flows = np.flatnonzero(np.isin(dag.edge, list(_FLOWS)))
-    ends = np.stack([dag.src[flows], dag.dst[flows]])
-    rows, at_us = dag.row_of(ends), us(dag.time[ends])
+    instants, rows, violation = _flow_ends(dag, flows)
+    at_us = us(instants)
     for k, e in enumerate(flows.tolist()):
         if rows[0, k] == rows[1, k]:   # a collective's last entry to its own end
             continue
         name = _FLOWS[Edge(int(dag.edge[e]))]
         for side, direction in enumerate(("flow_out", "flow_in")):
             r = int(rows[side, k])
+            args = {"span_id": f"{int(t.span_id[r]):016x}"}
+            if side and violation[k]:
+                args["causality_violation_ns"] = int(violation[k])
             events.append({"ph": "X", "name": name, "cat": "flow", "ts": at_us[side][k], "dur": 0,
                            "pid": int(pid[r]), "tid": int(tid[r]), "bind_id": k + 1, direction: True,
-                           "args": {"span_id": f"{int(t.span_id[r]):016x}"}})
+                           "args": args})
 
     # The critical path: one track per trace.
     cp_pid = len(t.nodes) + 1
