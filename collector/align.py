@@ -92,12 +92,14 @@ def node_sources(rows: list[tuple]) -> NodeSources:
 
 
 def fit_models(store) -> dict[str, ClockModel]:
-    """One model per node that has sent anything, on the collector's clock."""
+    """One model per node with spans or clock samples in what the store reads, on the
+    collector's clock: not for a node whose data expired (--retain) or lies before a
+    report's window (--last), which has nothing to align and would be listed as unsampled."""
     resources = store.nodes()
-    rows_by_node: dict[str, list] = {r.node_id: [] for r in resources.values()}
+    rows_by_node: dict[str, list] = {resources[node].node_id: [] for node in store.nodes_with_spans()}
     for row in store.clock_samples():
         if row[0] in resources:
-            rows_by_node[resources[row[0]].node_id].append(row)
+            rows_by_node.setdefault(resources[row[0]].node_id, []).append(row)
     epoch = int(store.meta("epoch_offset_ns") or 0)
     on_utc = {r.node_id for r in resources.values() if r.labels.get(sc.CLOCK_LABEL) == sc.CLOCK_UNIX_EPOCH}
     return fit_sources({node: node_sources(rows) for node, rows in rows_by_node.items()}, epoch, on_utc)

@@ -473,6 +473,12 @@ class Store:
         if newest is not None:
             self.since_ns = newest - duration_ns
 
+    def nodes_with_spans(self) -> set[int]:
+        """The nodes (rows) with spans in what this store reads (since keep_last's window)."""
+        since = np.iinfo(np.int64).min if self.since_ns is None else self.since_ns
+        return {node for (node,) in self.db.execute("SELECT DISTINCT node FROM segments WHERE received_ns >= ?",
+                                                     (since,))}
+
     def segments(self, trace_prefixes: list[str] | None = None):
         """Yield (node, SpanBatch) for every stored segment (since keep_last's window), or
         those that may hold a trace whose id starts with one of these lowercase hex prefixes

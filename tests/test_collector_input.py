@@ -653,6 +653,40 @@ def test_report_last_and_collector_retain_from_the_command_line(tmp_path):
         assert span_count(collector.store) == 0
 
 
+def test_clocks_list_the_nodes_with_data_in_the_window(tmp_path):
+    """Nodes whose data lies before a report's window, or expired, are not listed: a report
+    of the last hour on a store kept for weeks listed every node ever seen, as unsampled."""
+    import json
+    import subprocess
+    import sys
+
+    from crosstrace.collector.ingest import check
+
+    day, clock, path = 86400 * 10**9, [0], str(tmp_path / "weeks.db")
+    with Store(path, now=lambda: clock[0]) as store:
+        for k, node, sampled in ((0, "old-job", True), (2, "new-job", True), (2, "unsampled", False)):
+            clock[0] = k * day
+            b = batch(3, seq=1, node=node, trace_hi=k + 1, first_id=10 * len(node))
+            b.session_id = node.encode().ljust(16, b".")
+            if sampled:
+                b.clock_samples.append(pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100,
+                                                      t3=10**9 + 200, t4=10**9 + 300))
+            store.write([check(b)])
+    for command in (["report", "--json", "-"], ["clocks", "--json"]):
+        out = subprocess.run([sys.executable, "-m", "crosstrace", *command, "--store", path, "--last", "1d"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        clocks = json.loads(out.stdout)["clocks"]
+        assert sorted(clocks) == ["new-job", "unsampled"]
+        assert clocks["unsampled"]["flags"] == ["no_samples"] and clocks["new-job"]["samples"] == 1
+    with Store(path, now=lambda: clock[0]) as store:
+        assert store.expire(day) == 3                      # the old job's spans and sample
+        assert sorted(r.node_id for r in store.nodes().values()) == ["new-job", "old-job", "unsampled"]
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "clocks", "--store", path, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert sorted(json.loads(out.stdout)["clocks"]) == ["new-job", "unsampled"], out.stderr
+
+
 def test_the_writers_node_cache_is_bounded(tmp_path, monkeypatch):
     """One node id per process by default: a collector that ran for weeks kept every one."""
     from crosstrace.collector import store as store_mod
