@@ -41,7 +41,8 @@ class Writer:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._closing = threading.Lock()
         self._closed = False
-        self._failing = None   # (what the store says, batches failed so far, when it was said) while writes fail
+        self._failing = Failing("crosstrace collector: store write failed",
+                                "crosstrace collector: the store takes batches again")
         self._thread = threading.Thread(target=self._run, name="crosstrace-writer", daemon=True)
         self._thread.start()
 
@@ -89,28 +90,45 @@ class Writer:
                 for item in group:
                     self._commit([item])
                 return
-            self._failed(exc)
+            self._failing.failed(exc)
             group[0][1].set_exception(exc)
             return
-        if self._failing is not None:
-            log.warning("crosstrace collector: the store takes batches again, after %d failed "
-                        "(their tracers retried them)", self._failing[1])
-            self._failing = None
+        self._failing.passed()
         for (_, future), result in zip(group, results):
             future.set_result(result)
 
-    def _failed(self, exc: Exception) -> None:
-        """Said once a minute at most while writes fail the same way, with a count (a full disk
-        failed every batch, each with a 12-line traceback); a traceback only for a failure
-        that is not the store's own (OSError, SQLite's), which would be crosstrace's bug."""
+
+class Failing:
+    """A failure that repeats for every batch (a full disk), said once a minute at most while
+    it fails the same way, with a count, and its end in one more line: a full disk logged a
+    12-line traceback for every batch. A traceback only for a failure that is not the
+    system's (OSError, SQLite's), which would be crosstrace's bug."""
+
+    def __init__(self, failed: str, passed: str):
+        self.failed_line, self.passed_line = failed, passed
+        self.what, self.count, self.said_at = None, 0, 0.0
+        self._lock = threading.Lock()   # (a relay's streams forward on several threads)
+
+    def failed(self, exc: Exception) -> None:
         what, now = str(exc), time.monotonic()
-        _, failed, said_at = self._failing or (None, 0, None)
-        new = self._failing is None or what != self._failing[0]
-        if new or now - said_at >= 60:
-            log.warning("crosstrace collector: store write failed: %s (%d batches failed so far; tracers are told "
-                        "to retry)", what, failed + 1, exc_info=new and not isinstance(exc, (OSError, sqlite3.Error)))
-            said_at = now
-        self._failing = (what, failed + 1, said_at)
+        with self._lock:
+            new = what != self.what
+            say = new or now - self.said_at >= 60
+            if say:
+                self.said_at = now
+            self.what, self.count = what, self.count + 1
+            count = self.count
+        if say:
+            log.warning("%s: %s (%d batches failed so far; their tracers are told to retry)", self.failed_line, what,
+                        count, exc_info=new and not isinstance(exc, (OSError, sqlite3.Error)))
+
+    def passed(self) -> None:
+        if not self.count:
+            return
+        with self._lock:
+            count, self.what, self.count = self.count, None, 0
+        if count:
+            log.warning("%s, after %d failed (their tracers retried them)", self.passed_line, count)
 
 
 
@@ -156,6 +174,8 @@ class CollectorService:
         self.in_flight = InFlight(in_flight_mb << 20)
         self.stats = Stats()
         self.forward = forward      # relay mode: a collector.relay.Relay, which hands batches on upstream
+        self.forwarding = Failing("crosstrace relay: could not keep a batch for upstream",
+                                  "crosstrace relay: batches are kept for upstream again")
         self.now = now              # the clock clock probes are answered from
 
     def ingest(self, batch: "pb.SpanBatch") -> tuple[CheckedBatch, WriteResult]:
@@ -166,10 +186,15 @@ class CollectorService:
             return checked, WriteResult(0, checked.batch.count, resent=True)
         try:
             result = self.writer.submit(checked).result()
-            if self.forward is not None:
-                self.forward(batch)
         except Exception as exc:
             raise StoreUnavailable(f"store write failed: {exc}") from exc
+        if self.forward is not None:
+            try:
+                self.forward(batch)
+            except Exception as exc:   # stored here; the client's resend is forwarded again
+                self.forwarding.failed(exc)
+                raise StoreUnavailable(f"relay could not keep the batch for upstream: {exc}") from exc
+            self.forwarding.passed()
         with self.stats.lock:
             self.stats.spans += result.accepted
             self.stats.duplicates += result.duplicates

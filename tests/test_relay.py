@@ -183,6 +183,37 @@ def test_a_batch_larger_than_the_gateways_spool_still_goes_up(tmp_path):
     assert any("larger than the whole spool" in line for line in relay.stderr_lines)
 
 
+def test_a_gateway_whose_spool_fails_says_so_and_forwards_once_it_works(tmp_path):
+    """A relay's spool folder gone (a cleaner of /tmp, a disk that fails): each batch is
+    stored at the gateway but cannot be kept for upstream, so the device is told to retry,
+    and both sides say what failed (it read "store write failed", which the store had not,
+    and the gateway said nothing); once the folder is back, every span goes up once."""
+    import os
+    spool = tmp_path / "spool"
+    with CollectorProcess(str(tmp_path / "cloud.db")) as cloud:
+        relay = CollectorProcess(str(tmp_path / "gateway.db"), extra_args=(
+            "--forward-to", cloud.address, "--node-id", "gateway", "--spool", str(spool)))
+        try:
+            os.rename(spool, tmp_path / "away")      # the spool's lock stays held through its open file
+            env = {"CROSSTRACE_ENDPOINT": relay.address, "CROSSTRACE_NODE_ID": "camera"}
+            script = DEVICE.replace("force_flush(30000)", "force_flush(60000)")
+            device = subprocess.Popen([sys.executable, "-c", script, "20"], env={**os.environ, **env},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                assert wait_until(lambda: any("could not keep a batch for upstream" in line
+                                              for line in relay.stderr_lines), 30), relay.stderr_lines
+                os.rename(tmp_path / "away", spool)
+                out, err = device.communicate(timeout=90)
+            finally:
+                device.kill()
+            assert out.split() == ["flushed", "True"], err
+            assert "relay could not keep the batch for upstream" in err and "store write failed" not in err
+            assert wait_until(lambda: stored_indices(cloud.store, "camera") == list(range(20)), 30)
+        finally:
+            assert relay.stop() == 0
+    assert any("batches are kept for upstream again, after" in line for line in relay.stderr_lines)
+
+
 def test_a_relay_forwarding_to_itself_is_refused_at_start(tmp_path):
     port = free_port()
     out = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--store", str(tmp_path / "s.db"),
