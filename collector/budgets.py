@@ -16,7 +16,7 @@ A budget file is TOML; each [[budget]] table is one limit:
     [[budget]]                    # collective.wait <= 10% of step
     category = "collective.wait"
     traces = "*step"              # only traces whose name matches (a glob; default: all)
-    max = "10%"                   # a share of each trace's duration
+    max = "10%"                   # a share of each trace's duration (per rank: of its window)
 
     [[budget]]                    # the whole request p99 <= 120ms
     traces = "request"
@@ -24,7 +24,8 @@ A budget file is TOML; each [[budget]] table is one limit:
     max = "120ms"
 
 Keys: `max` (required): a time ("800ns", "250us", "5ms", "1.5s", "2min": collector/durations.py) or a share of the trace
-("10%"). `percentile` (default 100, i.e. every sample must hold; the value reported is the
+("10%"; with "worst_rank" or "mean_rank", a share of each rank's window in the trace, as the
+report's per-rank breakdown and bubble fraction have it). `percentile` (default 100, i.e. every sample must hold; the value reported is the
 nearest-rank percentile: the smallest sample with at least that share of the samples at or
 below it, never an interpolation; p99 of 100 samples is the second largest). `name` (optional label).
 What is measured, one sample each:
@@ -160,14 +161,11 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
         values, ids = [], []
         for t in chosen:
             duration = t["duration_ns"]
-            if b.category is None:
-                value = duration
-            elif b.measure == "critical_path":
-                value = t["attribution"][b.category]
+            if b.category is None or b.measure == "critical_path":
+                value = t["attribution"][b.category] if b.category else duration
+                values.append(value / max(duration, 1) if b.share else value)
             else:
-                per_rank = [r["attribution"][b.category] for r in t["per_rank"].values()] or [0]
-                value = max(per_rank) if b.measure == "worst_rank" else sum(per_rank) / len(per_rank)
-            values.append(value / max(duration, 1) if b.share else value)
+                values.append(_per_rank(b, t))
             ids.append(t["trace_id"])
         return np.asarray(values, dtype=np.float64), ids
     names = np.array([fnmatch.fnmatchcase(n, b.span) for n in table.names], dtype=bool)
@@ -183,6 +181,14 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
         trace = table.trace[rows]
         duration = duration / np.maximum(at.dag.trace_end[trace] - at.dag.trace_start[trace], 1)
     return duration, [table.trace_ids[i] for i in table.trace[rows].tolist()]
+
+
+def _per_rank(b: Budget, trace: dict) -> float:
+    """A category on the worst rank, or on the mean rank, of one trace: a share is of each
+    rank's own window (the trace's duration includes time before a rank's step began)."""
+    ranks = trace["per_rank"].values()
+    values = [r["attribution"][b.category] / (max(r["window_ns"], 1) if b.share else 1) for r in ranks] or [0]
+    return max(values) if b.measure == "worst_rank" else sum(values) / len(values)
 
 
 def nearest_rank(values: np.ndarray, percentiles) -> np.ndarray:

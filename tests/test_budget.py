@@ -143,6 +143,34 @@ max = "1ms"
     assert by_rule["no such span <= 1ms"]["status"] == "no_data" and not by_rule["no such span <= 1ms"]["ok"]
 
 
+def test_a_ranks_share_is_of_its_window(tmp_path):
+    """A per-rank share (the waits, bubble) is of each rank's window, as the report's
+    breakdown and bubble fraction are: of the trace's duration, which includes time before
+    a rank's step began, a pipeline budget of 21% passed steps whose bubble fraction was
+    22-36% (a user's review). Here rank 1 joins the step at 50 ms and waits 25 of its 50."""
+    from .test_analysis_units import coll
+
+    s = Spans()
+    root = s.add("step", Kind.INTERNAL, 0, 100, "rank0")
+    s.add("forward", Kind.COMPUTE, 0, 80, "rank0", root)
+    s.add("all_reduce", Kind.COLLECTIVE, 80, 90, "rank0", root, **coll(1, [0, 1]))
+    root = s.add("step", Kind.INTERNAL, 50, 100, "rank1")
+    s.add("forward", Kind.COMPUTE, 50, 55, "rank1", root)
+    s.add("all_reduce", Kind.COLLECTIVE, 55, 90, "rank1", root, **coll(1, [0, 1]))
+    results = evaluate(s.spans, {"rank0": 0, "rank1": 1}, """
+[[budget]]
+category = "collective.wait"
+max = "40%"
+
+[[budget]]
+category = "collective.wait"
+measure = "mean_rank"
+max = "20%"
+""", tmp_path)
+    assert [r["measured"] for r in results] == [pytest.approx(0.5), pytest.approx(0.25)]
+    assert [r["status"] for r in results] == ["violated", "violated"]
+
+
 def test_percentiles_take_the_nearest_rank_exactly(tmp_path):
     """p99.9 of 1000 samples is the 999th smallest: numpy's float product (99.9 / 100 * 1000 =
     999.0000000000001) took the 1000th, the one outlier, and failed the gate."""
