@@ -68,6 +68,7 @@ PRIORITY = ("compute", "data", "collective.transfer", "p2p.transfer", "network.u
 # A rank's waiting for others: per rank, not on the critical path, is where a budget measures
 # it; and a straggler's own waiting is taken off the delay it caused.
 WAITING = ("collective.wait", "p2p.wait", "bubble")
+OFF_PATH = ("collective.wait", "p2p.wait")   # never on the critical path (bubble is: a stage's idle time)
 # The straggler is named where its delay cost less its own waiting is at least this share of
 # its trace. Balanced GPipe stages (40 ms per action, 400 ms steps) on a loaded 2-core machine
 # came to +0.8 to +11.6 ms (up to 2.8 %) on one stage, by their sleeps' overshoot alone.

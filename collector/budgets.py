@@ -33,7 +33,8 @@ What is measured, one sample each:
   - `category`: every trace, the time in that category; `measure` says where:
     "critical_path" (the default), "worst_rank" or "mean_rank" (the per-rank breakdown).
     collective.wait, p2p.wait and bubble default to "worst_rank": by construction, waiting
-    is never on the critical path (the path runs through whoever was late);
+    is never on the critical path (the path runs through whoever was late), and
+    collective.wait or p2p.wait measured there is refused;
   - neither: every trace, its duration.
 A budget that matches no span or trace fails, so that a typo cannot pass a CI gate.
 """
@@ -46,7 +47,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .attribution import CATEGORIES, WAITING, Attribution
+from .attribution import CATEGORIES, OFF_PATH, WAITING, Attribution
 from .durations import format_ns, parse_ns
 from .spantable import SpanTable
 
@@ -140,6 +141,9 @@ def _one(entry: dict) -> Budget:
         raise ValueError(f"measure = {measure!r}: expected one of {', '.join(MEASURES)}")
     if "measure" in entry and not category:
         raise ValueError("measure only applies to a category budget")
+    if measure == "critical_path" and category in OFF_PATH:
+        raise ValueError(f"{category} is never on the critical path, which runs through whoever was late, not "
+                         f"who waited for them: measure it per rank (worst_rank or mean_rank)")
     budget = Budget(name="", limit=limit, share=share, percentile=float(percentile), span=span,
                     node=entry.get("node"), category=category, traces=entry.get("traces"), measure=measure)
     return dataclasses.replace(budget, name=entry.get("name") or budget.rule)
@@ -154,8 +158,9 @@ def load(path: str) -> list[Budget]:
     return parse(doc, path)
 
 
-def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -> tuple[np.ndarray, list[str]]:
-    """(values, trace id per value) of one budget."""
+def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -> tuple[np.ndarray, list[tuple]]:
+    """(values, (trace id, node id or None) per value) of one budget: a span's node is named,
+    so that its worst samples say whom to ask."""
     chosen = [t for t in traces if b.traces is None or fnmatch.fnmatchcase(t["name"], b.traces)]
     if b.span is None:
         values, ids = [], []
@@ -166,7 +171,7 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
                 values.append(value / max(duration, 1) if b.share else value)
             else:
                 values.append(_per_rank(b, t))
-            ids.append(t["trace_id"])
+            ids.append((t["trace_id"], None))
         return np.asarray(values, dtype=np.float64), ids
     names = np.array([fnmatch.fnmatchcase(n, b.span) for n in table.names], dtype=bool)
     nodes = np.array([b.node is None or fnmatch.fnmatchcase(r.node_id, b.node) or fnmatch.fnmatchcase(r.role, b.node)
@@ -180,7 +185,8 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
     if b.share:
         trace = table.trace[rows]
         duration = duration / np.maximum(at.dag.trace_end[trace] - at.dag.trace_start[trace], 1)
-    return duration, [table.trace_ids[i] for i in table.trace[rows].tolist()]
+    return duration, [(table.trace_ids[tr], table.nodes[node])
+                      for tr, node in zip(table.trace[rows].tolist(), table.node[rows].tolist())]
 
 
 def _per_rank(b: Budget, trace: dict) -> float:
@@ -189,6 +195,12 @@ def _per_rank(b: Budget, trace: dict) -> float:
     ranks = trace["per_rank"].values()
     values = [r["attribution"][b.category] / (max(r["window_ns"], 1) if b.share else 1) for r in ranks] or [0]
     return max(values) if b.measure == "worst_rank" else sum(values) / len(values)
+
+
+def _worst(where: tuple, value) -> dict:
+    trace_id, node = where
+    return {"trace_id": trace_id, "value": value} if node is None else {"trace_id": trace_id, "node": node,
+                                                                         "value": value}
 
 
 def nearest_rank(values: np.ndarray, percentiles) -> np.ndarray:
@@ -215,7 +227,6 @@ def evaluate(budgets: list[Budget], traces: list[dict], table: SpanTable, at: At
             ok = measured <= b.limit
             entry.update(measured=measured if b.share else round(measured), ok=bool(ok),
                          status="ok" if ok else "violated",
-                         worst=[{"trace_id": ids[i], "value": float(values[i]) if b.share else int(values[i])}
-                                for i in top.tolist()])
+                         worst=[_worst(ids[i], float(values[i]) if b.share else int(values[i])) for i in top.tolist()])
         out.append(entry)
     return out

@@ -10,7 +10,7 @@ import pytest
 from crosstrace.collector import budgets
 from crosstrace.collector.attribution import attribute
 from crosstrace.collector.durations import format_ns, format_within
-from crosstrace.collector.views.summaries import format_measured
+from crosstrace.collector.views.summaries import format_measured, format_worst
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import trace_details
 from crosstrace.commands.report import duration
@@ -85,6 +85,8 @@ def test_durations_print_as_people_read_them():
     ('budgets = 3\n', "unknown top-level keys: budgets"),
     ('[[budget]\n', "not valid TOML"),
     ('[[budget]]\ncategory = "data"\nmax = "150%"\n', "at most 100%"),   # it held whatever happened
+    ('[[budget]]\ncategory = "collective.wait"\nmeasure = "critical_path"\nmax = "1ms"\n',
+     "never on the critical path"),   # it measured 0 and held whatever happened
 ])
 def test_bad_files_say_what_and_where(tmp_path, text, message):
     with pytest.raises(budgets.BudgetError, match=message.replace("[", r"\[")) as info:
@@ -133,7 +135,8 @@ max = "1ms"
     by_rule = {r["rule"]: r for r in results}
     rank2 = by_rule["rank2.backward <= 50ms"]
     assert (rank2["samples"], rank2["measured"], rank2["status"]) == (2, 60 * MS, "violated")
-    assert rank2["worst"][0]["value"] == 60 * MS
+    assert rank2["worst"][0]["value"] == 60 * MS and rank2["worst"][0]["node"] == "rank2"   # whom to ask
+    assert format_worst(rank2).startswith("0000000000000000 (60 ms on rank2), ")
     median = by_rule["backward p50 <= 30ms"]
     assert median["samples"] == 6 and median["measured"] == 39 * MS and not median["ok"]   # 10 10 [39] 40 41 60
     wait = by_rule["collective.wait <= 40% (worst_rank)"]

@@ -107,6 +107,7 @@ def test_report_command_writes_the_page(browser, rpc_store, tmp_path):
     assert result.returncode == 0, result.stderr
     text = page.read_text()
     assert "<script src" not in text and "<link" not in text and "@import" not in text
+    assert "1 of 1 budgets violated" in text    # the verdict the terminal prints
     open_page(browser, page)
     assert sorted(node for node, _ in lanes(browser)) == ["frontend", "gateway", "model"]
     row = browser.find_element("css selector", "td.violated")

@@ -17,7 +17,7 @@ from .. import attribution
 from ..durations import format_ns, format_within
 from ..wording import counted
 from .summaries import (clocks_to_show, errors_line, format_measured, format_worst, largest_segments,
-                        slowest_first, stragglers_line)
+                        slowest_first, stragglers_line, verdict)
 
 COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b", "network.downlink": "#ffbe7d",
            "collective.wait": "#e15759", "collective.transfer": "#ff9d9a", "p2p.wait": "#b07aa1",
@@ -165,7 +165,8 @@ def _budgets(report: dict) -> str:
                     f'<td class="num">{measured}</td><td class="num">{limit}</td>'
                     f'<td class="num">{b["samples"]}</td><td class="{b["status"]}">{b["status"].replace("_", " ")}</td>'
                     f'<td>{html.escape(worst)}</td></tr>')
-    return ("<table><tr><th>budget</th><th>rule</th><th>measured</th><th>limit</th><th>samples</th>"
+    return (f"<p>{html.escape(verdict(report['budgets']))}</p>"
+            "<table><tr><th>budget</th><th>rule</th><th>measured</th><th>limit</th><th>samples</th>"
             f"<th>status</th><th>worst traces</th></tr>{''.join(rows)}</table>")
 
 

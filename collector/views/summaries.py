@@ -64,8 +64,10 @@ def format_value(entry: dict, value, digits: int = 4) -> str:
 
 
 def format_worst(entry: dict) -> str:
-    """The traces with the worst samples, each by its id's first 16 digits and its value."""
-    return ", ".join(f"{w['trace_id'][:16]} ({format_value(entry, w['value'])})" for w in entry["worst"]) or "-"
+    """The traces with the worst samples, each by its id's first 16 digits and its value (and
+    for a span, the node it ran on)."""
+    return ", ".join(f"{w['trace_id'][:16]} ({format_value(entry, w['value'])}"
+                     + (f" on {w['node']})" if "node" in w else ")") for w in entry["worst"]) or "-"
 
 
 def format_measured(entry: dict) -> tuple[str, str]:
@@ -87,5 +89,5 @@ def verdict(results: list[dict]) -> str:
         return f"all {len(results)} budgets hold" if len(results) > 1 else "the budget holds"
     parts = [f"{violated} of {len(results)} budgets violated"] if violated else []
     if empty:
-        parts.append(f"{empty} of {len(results)} without data (no trace it applies to)")
+        parts.append(f"{empty} of {len(results)} without data (no span or trace matched)")
     return ", ".join(parts)

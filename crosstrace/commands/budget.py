@@ -23,11 +23,13 @@ budget file (TOML), one [[budget]] table per limit:
   traces = "*step"
   max = "10%"
 
-keys: max (required: "800ns", "250us", "5ms", "1.5s", "2min" or a share "10%"); percentile
-(default 100: every sample); span + node, or category (+ measure: critical_path,
-worst_rank, mean_rank; waits and bubble default to worst_rank), or neither (the trace's
-duration); traces (glob on the trace name); name (a label). A span budget takes one
-sample per span, the others one per trace. A budget that matches nothing fails.
+keys: max (required: "800ns", "250us", "5ms", "1.5s", "2min" or a share "10%" of the
+trace's duration, or per rank of the rank's window); percentile (default 100: every
+sample; nearest rank); span + node, or category (+ measure: critical_path, worst_rank,
+mean_rank; waits and bubble default to worst_rank, and collective.wait and p2p.wait are
+never on the critical path), or neither (the trace's duration); traces (glob on the trace
+name); name (a label). A span budget takes one sample per span, the others one per trace.
+A budget that matches nothing fails. `crosstrace report --budget` shows the same table.
 exit status: 0 all budgets hold, 1 a budget is violated or has no data, 2 bad input.
 """
 

@@ -26,7 +26,8 @@ def register(sub) -> None:
                         "(nodes as lanes, critical path highlighted), attribution per trace and per rank, budgets")
     p.add_argument("--budget", metavar="FILE",
                    help="check these latency budgets (TOML; see `crosstrace budget check --help`) and "
-                        "include them in the report")
+                        "include them in the report; the exit status stays 0 whatever they say: gate CI "
+                        "with `crosstrace budget check`")
     add_window(p)
     p.set_defaults(func=run_report)
 
