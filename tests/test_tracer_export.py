@@ -972,3 +972,39 @@ def test_a_hung_collector_is_found_and_every_span_arrives_once(tmp_path):
         finally:
             provider.shutdown()
     assert span_count(store) == 101
+
+
+def test_a_tracer_tries_its_collector_again_every_few_seconds():
+    """gRPC waits up to 120 s between connection attempts (from 1 s, 1.6x each): a tracer
+    whose collector came back after a 2-minute restart reconnected 71 s later, its queue
+    filling meanwhile. Its attempts now come at most 5 s apart (and gRPC's 20% jitter).
+    A port that accepts and closes each connection stands for the collector that is away."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as port:
+        port.bind(("127.0.0.1", 0))
+        port.listen(64)
+        port.settimeout(0.5)
+        env = {**os.environ, "CROSSTRACE_ENDPOINT": "127.0.0.1:%d" % port.getsockname()[1], "CROSSTRACE_NODE_ID": "x"}
+        tracer = subprocess.Popen([sys.executable, "-c", "import time, crosstrace\n"
+                                   "t = crosstrace.init().get_tracer('x')\n"
+                                   "for _ in range(400):\n"
+                                   "    with t.start_as_current_span('tick'):\n"
+                                   "        time.sleep(0.1)\n"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            start, attempts = time.monotonic(), []
+            while time.monotonic() - start < 30:
+                try:
+                    connection, _ = port.accept()
+                except socket.timeout:
+                    continue
+                attempts.append(time.monotonic() - start)
+                connection.close()
+        finally:
+            tracer.kill()
+            tracer.wait(10)
+    gaps = [b - a for a, b in zip(attempts, attempts[1:] + [30.0])]
+    assert len(attempts) >= 5 and max(gaps) < 7.5, attempts   # before: 0.2 1.3 2.8 5.4 9.9 15.5 26.7

@@ -891,7 +891,11 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.keepalive_time_ms", 10_000),
                     ("grpc.keepalive_timeout_ms", 20_000),
                     ("grpc.http2.ping_timeout_ms", 20_000),
-                    ("grpc.http2.max_pings_without_data", 0)]
+                    ("grpc.http2.max_pings_without_data", 0),
+                    # gRPC waits up to 120 s between connection attempts (1 s, growing 1.6x):
+                    # after a collector's 2-minute restart a tracer reconnected 71 s after it
+                    # was back, its queue filling meanwhile. 5 s, as the stream's own retries.
+                    ("grpc.max_reconnect_backoff_ms", 5_000)]
 
 
 def open_channel(cfg) -> grpc.Channel:
