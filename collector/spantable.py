@@ -6,6 +6,7 @@ limited to the attributes of the few span kinds that carry join keys.
 import dataclasses
 
 import numpy as np
+import orjson
 
 from ..proto import pb
 from ..proto.semconv import Kind
@@ -76,6 +77,26 @@ def empty() -> SpanTable:
     return build([], {})
 
 
+def _shared(rows: list, seen: dict) -> list:
+    """A segment's attribute dicts, each string and list value replaced by an equal one read
+    before (kept in `seen`): a 512-rank job's collective spans each held their own list of
+    the 512 ranks, 2.8 KB a span of a report's memory. A list is known by its JSON, which
+    tells [1] from [true] and [1.0] (loads reads no NaN as a float); nothing changes them."""
+    for attrs in rows:
+        if attrs.__class__ is not dict:
+            continue
+        for key, value in attrs.items():
+            kind = value.__class__
+            if kind is str:
+                attrs[key] = seen.setdefault(value, value)
+            elif kind is list:
+                try:
+                    attrs[key] = seen.setdefault(orjson.dumps(value), value)
+                except TypeError:   # an integer beyond 64 bits
+                    pass
+    return rows
+
+
 def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.Resource"]) -> SpanTable:
     """A table from (store node id, segment) pairs, as Store.segments() yields them."""
     node_index: dict[int, int] = {}
@@ -83,6 +104,7 @@ def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.R
     name_index: dict[str, int] = {}
     columns: dict[str, list] = {field: [] for field, _ in COLUMNS}
     node_col, name_col, attributes, extras = [], [], [], {}
+    seen: dict = {}   # _shared's
     offset = 0
     for store_node, seg in segments:
         cols = view(seg)
@@ -91,7 +113,7 @@ def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.R
         local = np.array([name_index.setdefault(s, len(name_index)) for s in seg.strings], dtype=np.int32)
         name_col.append(local[cols["name"]] if len(local) else np.zeros(seg.count, np.int32))
         node_col.append(np.full(seg.count, node_index.setdefault(store_node, len(node_index)), np.int32))
-        attributes.extend(loads(seg.attributes_json) if seg.attributes_json else [None] * seg.count)
+        attributes.extend(_shared(loads(seg.attributes_json), seen) if seg.attributes_json else [None] * seg.count)
         if seg.extras_json:
             for i, extra in loads(seg.extras_json):
                 extras[offset + i] = extra

@@ -193,7 +193,9 @@ class Store:
             self.db.executescript(_SCHEMA)
             if "peer_clock" not in self._columns("clock_samples"):   # a store begun before it
                 self.db.execute("ALTER TABLE clock_samples ADD COLUMN peer_clock TEXT")
-        self.db.execute("PRAGMA cache_size=-131072")
+            # The writer's page cache; a reader reads each segment once, and a large cache
+            # only held copies of what it had read (128 MB of a report's peak).
+            self.db.execute("PRAGMA cache_size=-131072")
 
     def _columns(self, table: str) -> set[str]:
         return {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}

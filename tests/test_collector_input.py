@@ -778,3 +778,24 @@ def test_a_full_store_is_said_once_a_minute_and_its_recovery_too(tmp_path, caplo
     (again,) = [r.getMessage() for r in caplog.records if "the store takes batches again" in r.getMessage()]
     assert int(again.split("after ")[1].split()[0]) >= 2, again   # several failed, one line said so
     assert span_count(str(tmp_path / "s.db")) == 30
+
+
+def test_equal_attribute_values_are_read_once(tmp_path):
+    """A report holds one copy of each distinct string and list value (a 512-rank job's
+    collective spans each held their own list of 512 ranks: 2.8 KB a span), and values that
+    compare equal in Python but not in JSON ([1], [true], [1.0]) stay apart."""
+    import orjson
+
+    from crosstrace.collector import spantable
+    from crosstrace.collector.ingest import check
+
+    values = [[1, 2], [True, 2], [1.0, 2], [1, 2], "rank", "rank", [[1], 2], [[1], 2], 2**70]
+    b = batch(len(values))
+    b.attributes_json = orjson.dumps([{"v": v} for v in values[:-1]] + [None]).replace(b"null]", b'{"v":%d}]' % 2**70)
+    with Store(str(tmp_path / "s.db")) as store:
+        store.write([check(b)])
+        table = spantable.load(store)
+    got = [a["v"] for a in table.attributes]
+    assert got == values and [type(v[0]) for v in got[:3]] == [int, bool, float]
+    assert got[0] is got[3] and got[4] is got[5] and got[6] is got[7]
+    assert got[0] is not got[1] and got[0] is not got[2]
