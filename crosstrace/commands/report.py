@@ -1,6 +1,5 @@
 """`crosstrace report` and `crosstrace export`: read a store, analyse, write views."""
 import argparse
-import json
 import os
 import sys
 
@@ -82,13 +81,12 @@ def run_report(args) -> int:
 
         html.write(args.html, report, analysed, attributed)
         progress(f"wrote {args.html}")
-    if args.json == "-":
-        json.dump(report, sys.stdout, indent=1)
-        print()
-        return 0
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=1)
+        from ..collector.views import report_json
+
+        report_json.write(args.json, report)
+        if args.json == "-":
+            return 0
         progress(f"wrote {args.json}")
     terminal.render(report, limit=args.limit)
     return 0

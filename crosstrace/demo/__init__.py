@@ -6,7 +6,6 @@ drift), and analyses what they recorded. The injected clock errors are printed n
 what the collector recovered from clock samples alone.
 """
 import dataclasses
-import json
 import os
 import time
 
@@ -35,7 +34,7 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
     can be set next to what the analysis found."""
     import importlib
 
-    from ..collector.views import html, perfetto
+    from ..collector.views import html, perfetto, report_json
     from ..collector.report import analyse_report
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -67,8 +66,7 @@ def run(out_dir: str = "crosstrace-demo", requests: int = 20, workloads=tuple(WO
                       "clock_epoch_ns": workers.epoch_ns, "workloads": injected, "skipped": skipped}
     files = {"report_json": os.path.join(out_dir, "report.json"), "html": os.path.join(out_dir, "report.html"),
              "perfetto": os.path.join(out_dir, "trace.json")}
-    with open(files["report_json"], "w") as out:
-        json.dump(report, out, indent=1)
+    report_json.write(files["report_json"], report)
     html.write(files["html"], report, analysed, attributed)
     perfetto.write(files["perfetto"], analysed, attributed)
     report["demo"]["files"] = files
