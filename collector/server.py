@@ -100,36 +100,39 @@ class Writer:
 
 class Failing:
     """A failure that repeats for every batch (a full disk), said once a minute at most while
-    it fails the same way, with a count, and its end in one more line: a full disk logged a
-    12-line traceback for every batch. A traceback only for a failure that is not the
-    system's (OSError, SQLite's), which would be crosstrace's bug."""
+    it fails the same way, with a count, and that it works again once that was said (where
+    batches fail and pass by turns, two lines a minute at most): a full disk logged a 12-line
+    traceback for every batch. An OSError is known by its errno, not its text, which names
+    each batch's file. A traceback only for a failure that is not the system's (OSError,
+    SQLite's), which would be crosstrace's bug."""
 
     def __init__(self, failed: str, passed: str):
         self.failed_line, self.passed_line = failed, passed
-        self.what, self.count, self.said_at = None, 0, 0.0
+        self.kind, self.count, self.said_at, self.passed_at = None, 0, -60.0, -60.0   # monotonic s
         self._lock = threading.Lock()   # (a relay's streams forward on several threads)
 
     def failed(self, exc: Exception) -> None:
-        what, now = str(exc), time.monotonic()
+        kind = (type(exc), exc.errno) if isinstance(exc, OSError) else str(exc)
+        now = time.monotonic()
         with self._lock:
-            new = what != self.what
+            new = kind != self.kind
             say = new or now - self.said_at >= 60
             if say:
-                self.said_at = now
-            self.what, self.count = what, self.count + 1
+                self.kind, self.said_at = kind, now
+            self.count += 1
             count = self.count
         if say:
-            log.warning("%s: %s (%d batches failed so far; their tracers are told to retry)", self.failed_line, what,
+            log.warning("%s: %s (%d batches failed so far; their tracers are told to retry)", self.failed_line, exc,
                         count, exc_info=new and not isinstance(exc, (OSError, sqlite3.Error)))
 
     def passed(self) -> None:
         if not self.count:
             return
         with self._lock:
-            count, self.what, self.count = self.count, None, 0
-        if count:
-            log.warning("%s, after %d failed (their tracers retried them)", self.passed_line, count)
-
+            if not self.count or self.said_at <= self.passed_at:   # no failure said since it last worked
+                return
+            count, self.count, self.passed_at = self.count, 0, time.monotonic()
+        log.warning("%s, after %d failed (their tracers retried them)", self.passed_line, count)
 
 
 class InFlight:
@@ -188,6 +191,12 @@ class CollectorService:
             result = self.writer.submit(checked).result()
         except Exception as exc:
             raise StoreUnavailable(f"store write failed: {exc}") from exc
+        with self.stats.lock:   # stored: counted, whatever forwarding it does
+            self.stats.spans += result.accepted
+            self.stats.duplicates += result.duplicates
+            if not result.resent:
+                self.stats.rejected.update(checked.rejected)
+            self.stats.nodes.add(checked.node_id)
         if self.forward is not None:
             try:
                 self.forward(batch)
@@ -195,12 +204,6 @@ class CollectorService:
                 self.forwarding.failed(exc)
                 raise StoreUnavailable(f"relay could not keep the batch for upstream: {exc}") from exc
             self.forwarding.passed()
-        with self.stats.lock:
-            self.stats.spans += result.accepted
-            self.stats.duplicates += result.duplicates
-            if not result.resent:
-                self.stats.rejected.update(checked.rejected)
-            self.stats.nodes.add(checked.node_id)
         return checked, result
 
     def export(self, request_iterator, context):

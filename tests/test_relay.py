@@ -202,6 +202,7 @@ def test_a_gateway_whose_spool_fails_says_so_and_forwards_once_it_works(tmp_path
             try:
                 assert wait_until(lambda: any("could not keep a batch for upstream" in line
                                               for line in relay.stderr_lines), 30), relay.stderr_lines
+                time.sleep(3)                                # the device retries meanwhile
                 os.rename(tmp_path / "away", spool)
                 out, err = device.communicate(timeout=90)
             finally:
@@ -211,7 +212,10 @@ def test_a_gateway_whose_spool_fails_says_so_and_forwards_once_it_works(tmp_path
             assert wait_until(lambda: stored_indices(cloud.store, "camera") == list(range(20)), 30)
         finally:
             assert relay.stop() == 0
-    assert any("batches are kept for upstream again, after" in line for line in relay.stderr_lines)
+    said = [line for line in relay.stderr_lines if "for upstream" in line]
+    assert len(said) == 2 and "could not keep a batch" in said[0], said   # each retry's file was a new failure
+    failed = int(said[1].split("after ")[1].split()[0])
+    assert "batches are kept for upstream again" in said[1] and failed >= 2, said
 
 
 def test_a_relay_forwarding_to_itself_is_refused_at_start(tmp_path):
