@@ -69,14 +69,23 @@ def _flow_ends(dag, flows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     """For each flow edge: the instants of its two markers (2 x n), the rows of their spans,
     and by how much the edge runs backward on the aligned clocks (a causality violation
     left within the error bounds). A span's end is drawn 1 ns inside it: at the end itself,
-    Perfetto closes the span first and the marker lands in whatever begins there. A marker
-    that would come before its source is drawn at the source's instant: Perfetto and
+    Perfetto closes the span first and the marker lands in whatever begins there (where an
+    edge joins a span's end to the same instant of another, one marker of the two lies
+    outside its span). The arrows leaving one span at one instant (a collective's last
+    entry, to every other participant) leave 1 ns apart, within the span: at one instant
+    Perfetto nests them, a tower of markers as deep as the group is wide. A marker that
+    would come before its source is drawn at the source's instant: Perfetto and
     chrome://tracing drop a flow whose end is read before its start."""
     events = np.stack([dag.src[flows], dag.dst[flows]])
     rows = dag.row_of(events)
     times = dag.time[events]
     is_end = (events < 2 * dag.n_rows) & (events % 2 == 1)
     instants = np.where(is_end, np.maximum(times - 1, dag.starts[rows]), times)
+    order = np.lexsort((instants[0], rows[0]))
+    same = np.r_[False, (rows[0][order][1:] == rows[0][order][:-1]) & (instants[0][order][1:] == instants[0][order][:-1])]
+    run_start = np.maximum.accumulate(np.where(same, 0, np.arange(len(order))))
+    last_inside = np.maximum(dag.ends[rows[0]] - 1, dag.starts[rows[0]])
+    instants[0][order] = np.minimum(instants[0][order] + np.arange(len(order)) - run_start, last_inside[order])
     instants[1] = np.maximum(instants[1], instants[0])
     return instants, rows, np.maximum(times[0] - times[1], 0)
 
