@@ -179,13 +179,15 @@ def _label_path(dag: Dag, paths: Paths, kind: np.ndarray, pipeline_row: np.ndarr
     row[parent_start] = src_row[parent_start]
     row[edge == Edge.RPC_REQUEST] = src_row[edge == Edge.RPC_REQUEST]
     # Along a thread: after a span's start, that span's own time until its end or its first
-    # child's start; before a span's end, that span's; otherwise (between one span's end and
-    # the next one's start, or after an async op was posted and left: an isend whose wait()
-    # comes later) the next span's parent's if it is open on this thread, else a gap.
+    # child's start (or a span within it that names no parent we have); before a span's end,
+    # that span's; otherwise (between one span's end and the next one's start, or after an
+    # async op was posted and left: an isend whose wait() comes later) the next span's
+    # parent's if it is open on this thread, else a gap.
     thread = np.flatnonzero(edge == Edge.THREAD)
     after_start = thread[(paths.src[thread] & 1) == 0]
-    held = ((paths.dst[after_start] == paths.src[after_start] + 1)
-            | (dag.parent[dst_row[after_start]] == src_row[after_start]))
+    nxt, span = dst_row[after_start], src_row[after_start]
+    held = ((paths.dst[after_start] == paths.src[after_start] + 1) | (dag.parent[nxt] == span)
+            | ((dag.parent[nxt] < 0) & (dag.ends[nxt] <= dag.ends[span])))   # a child whose parent link is lost
     left, after_start = after_start[~held], after_start[held]
     cat[after_start] = _SELF[kind[src_row[after_start]]]
     row[after_start] = src_row[after_start]
