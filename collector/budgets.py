@@ -159,19 +159,21 @@ def load(path: str) -> list[Budget]:
 
 
 def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -> tuple[np.ndarray, list[tuple]]:
-    """(values, (trace id, node id or None) per value) of one budget: a span's node is named,
-    so that its worst samples say whom to ask."""
+    """(values, (trace id, node id or None) per value) of one budget: a span's node, or the
+    worst rank's, is named, so that its worst samples say whom to ask."""
     chosen = [t for t in traces if b.traces is None or fnmatch.fnmatchcase(t["name"], b.traces)]
     if b.span is None:
         values, ids = [], []
         for t in chosen:
             duration = t["duration_ns"]
+            node = None
             if b.category is None or b.measure == "critical_path":
                 value = t["attribution"][b.category] if b.category else duration
                 values.append(value / max(duration, 1) if b.share else value)
             else:
-                values.append(_per_rank(b, t))
-            ids.append((t["trace_id"], None))
+                value, node = _per_rank(b, t)
+                values.append(value)
+            ids.append((t["trace_id"], node))
         return np.asarray(values, dtype=np.float64), ids
     names = np.array([fnmatch.fnmatchcase(n, b.span) for n in table.names], dtype=bool)
     nodes = np.array([b.node is None or fnmatch.fnmatchcase(r.node_id, b.node) or fnmatch.fnmatchcase(r.role, b.node)
@@ -189,12 +191,18 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
                       for tr, node in zip(table.trace[rows].tolist(), table.node[rows].tolist())]
 
 
-def _per_rank(b: Budget, trace: dict) -> float:
-    """A category on the worst rank, or on the mean rank, of one trace: a share is of each
-    rank's own window (the trace's duration includes time before a rank's step began)."""
-    ranks = trace["per_rank"].values()
-    values = [r["attribution"][b.category] / (max(r["window_ns"], 1) if b.share else 1) for r in ranks] or [0]
-    return max(values) if b.measure == "worst_rank" else sum(values) / len(values)
+def _per_rank(b: Budget, trace: dict) -> tuple[float, str | None]:
+    """A category on the worst rank (and that rank's node), or on the mean rank, of one
+    trace: a share is of each rank's own window (the trace's duration includes time before
+    a rank's step began)."""
+    values = {node: r["attribution"][b.category] / (max(r["window_ns"], 1) if b.share else 1)
+              for node, r in trace["per_rank"].items()}
+    if not values:
+        return 0, None
+    if b.measure == "mean_rank":
+        return sum(values.values()) / len(values), None
+    worst = max(values, key=values.get)
+    return values[worst], worst
 
 
 def _worst(where: tuple, value) -> dict:

@@ -172,6 +172,7 @@ max = "20%"
 """, tmp_path)
     assert [r["measured"] for r in results] == [pytest.approx(0.5), pytest.approx(0.25)]
     assert [r["status"] for r in results] == ["violated", "violated"]
+    assert results[0]["worst"][0]["node"] == "rank1" and "node" not in results[1]["worst"][0]   # the rank that waited
 
 
 def test_percentiles_take_the_nearest_rank_exactly(tmp_path):

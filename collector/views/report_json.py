@@ -17,7 +17,7 @@ def _dumps(value, depth: int) -> bytes:
     """`value` indented for its place `depth` levels deep."""
     try:
         data = orjson.dumps(value, option=_OPTIONS)
-    except TypeError:   # an integer beyond 64 bits
+    except TypeError:   # what orjson refuses (an integer beyond 64 bits)
         data = json.dumps(value, indent=2).encode()
     return data.replace(b"\n", b"\n" + b"  " * depth)
 
