@@ -53,6 +53,7 @@ STEP = {
     Edge.RPC_RESPONSE: "network.downlink",
     Edge.MESSAGE: "p2p.transfer",            # the receive waited for a late send
     Edge.RENDEZVOUS: "p2p.transfer",         # the send waited for a late receive
+    Edge.DELIVERED: GAP,                     # the send returned after its data arrived: the sender's time
     Edge.JOIN: "collective.transfer",        # zero length: the join is its last participant's entry
     Edge.COMPLETE: "collective.transfer",
 }

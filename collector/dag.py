@@ -19,6 +19,9 @@ An edge a -> b says "a happened before b, and b may have waited for it":
                 next (1F1B's last stage waits on its gradient's isend, then on the next
                 activation's irecv). A send that ended first did not wait (an eager one);
                 one on a device ends when it is queued
+  DELIVERED     receive end -> send end, where the send ended after it, on the host: the
+                send returned only once its data had arrived; what it took longer is the
+                sender's, not the network's (the per-rank breakdown ends its transfer there)
   JOIN          a participant's start -> the collective's join (the last entry releases it)
   COMPLETE      the join -> a participant's end
 
@@ -56,6 +59,7 @@ class Edge(IntEnum):
     JOIN = 7
     COMPLETE = 8
     RENDEZVOUS = 9
+    DELIVERED = 10
 
 
 @dataclasses.dataclass
@@ -315,9 +319,11 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     send, recv = p2p[same, 0], p2p[same, 1]
     partner[send], partner[recv] = recv, send
     add(S[send], E[recv], Edge.MESSAGE)
-    waited = start[recv] <= end[send]      # a send that ended first did not wait for its receive
-    waited[waited] = [host_side(table.attributes[r], sc.P2P_DEVICE) for r in send[waited].tolist()]
+    on_host = np.array([host_side(table.attributes[r], sc.P2P_DEVICE) for r in send.tolist()], dtype=bool)
+    waited = on_host & (start[recv] <= end[send])     # a send that ended first did not wait for its receive
     add(S[recv[waited]], E[send[waited]], Edge.RENDEZVOUS)
+    delivered = on_host & (end[recv] < end[send])
+    add(E[recv[delivered]], E[send[delivered]], Edge.DELIVERED)
 
     # Collectives: one join per (instance, trace).
     members, instance = matches.coll_rows, matches.coll_instance
