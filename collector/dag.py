@@ -27,9 +27,13 @@ An edge a -> b says "a happened before b, and b may have waited for it":
 
 Every collective is N x N here: everyone's entry joins, everyone waits for the last.
 Rooted ops too: MPI's semantics let a broadcast's root leave before a late receiver
-(Scalasca's "late broadcast") or a reduce's non-roots before a late root, but gloo's and
-NCCL's block them as well (measured with gloo: a broadcast root, a gather's root and a
-reduce's non-roots all waited for a late rank).
+(Scalasca's "late broadcast") or a reduce's non-roots before a late root, but gloo blocks
+them. Measured with gloo (3 ranks, one 300 ms late, 4 B and 4 MB): a late root held up
+everyone in broadcast, reduce, gather and scatter, and a late non-root held up the root of
+all four; only reduce held up the other non-roots too. So for a broadcast, gather or
+scatter whose late rank is not the root, this model has the other non-roots wait for it,
+where they waited for the root alone (a known inaccuracy: the demo's DDP bucket-order
+broadcast shows it as a causality violation of 2.5 ms).
 
 All of it is built with array operations over the SpanTable (all traces at once).
 Edges only join spans of the same trace; a partner that is missing, or recorded under

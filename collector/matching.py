@@ -19,8 +19,8 @@ _NONE = np.empty(0, dtype=np.int64)
 # before every exit), by op name (lower case, no underscores, as a prefix:
 # all_gather_into_tensor is an allgather). Alignment makes clock facts from these only: a
 # rooted op (broadcast, scatter, reduce, gather) may let some leave early (an NCCL
-# broadcast's root, with a small message). The DAG's wait model is N x N for every op, as
-# gloo and NCCL behave (collector/dag.py).
+# broadcast's root, with a small message). The DAG's wait model is N x N for every op
+# (collector/dag.py says where gloo differs).
 N_X_N_OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "barrier", "monitoredbarrier")
 
 
