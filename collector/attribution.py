@@ -237,7 +237,7 @@ def pieces(table: SpanTable, dag: Dag, kind, start, end, error):
 
     coll = kind == Kind.COLLECTIVE
     r = np.flatnonzero(coll & (dag.join >= 0))
-    split(r, dag.join_time[dag.join[r]], dag.join_last[dag.join[r]], C["collective.wait"], C["collective.transfer"])
+    split(r, start[dag.released_by[r]], dag.released_by[r], C["collective.wait"], C["collective.transfer"])
     r = np.flatnonzero(coll & (dag.join < 0))
     add(r, start[r], end[r], C["collective.transfer"])
     p2p = (kind == Kind.SEND) | (kind == Kind.RECV)
@@ -517,18 +517,23 @@ def _waits(table: SpanTable, dag: Dag, start, end):
     """Who made whom wait: per collective join and per point-to-point pair."""
     members = np.flatnonzero(dag.join >= 0)
     j = dag.join[members]
+    by = dag.released_by[members]
     n_joins = len(dag.join_time)
-    wait = np.clip(dag.join_time[j], start[members], end[members]) - start[members]
+    wait = np.clip(start[by], start[members], end[members]) - start[members]
     join_wait = np.bincount(j, weights=wait, minlength=n_joins)
     join_transfer = np.bincount(j, weights=end[members] - start[members], minlength=n_joins) - join_wait
-    # Lateness: how much later the last entry came than the one before it (entries that join).
-    entered = start[members] <= dag.join_time[j]
-    other = entered & (members != dag.join_last[j])
-    second = np.full(n_joins, _NEG, dtype=np.int64)
-    np.maximum.at(second, j[other], start[members[other]])
-    waiting = np.bincount(j[wait > 0], minlength=n_joins)
-    late = dag.join_last
-    lateness = np.where(second > _NEG, dag.join_time - second, 0)
+    # One row per join and member that released others (the last to enter; a root for the
+    # non-roots of a broadcast, gather or scatter). Lateness: how much later it entered than
+    # the one before it among those it released.
+    group, n_groups = dense(j, by) if len(members) else (j, 0)
+    first = np.unique(group, return_index=True)[1]
+    group_join, late = j[first], by[first]
+    group_wait = np.bincount(group, weights=wait, minlength=n_groups)
+    other = (start[members] <= start[by]) & (members != by)
+    second = np.full(n_groups, _NEG, dtype=np.int64)
+    np.maximum.at(second, group[other], start[members[other]])
+    waiting = np.bincount(group[wait > 0], minlength=n_groups)
+    lateness = np.where(second > _NEG, start[late] - second, 0)
 
     # Point-to-point, each side: a receive waits for a late send, a send for a late receive.
     sides = np.flatnonzero(((table.kind == Kind.SEND) | (table.kind == Kind.RECV)) & (dag.partner >= 0))
@@ -537,16 +542,16 @@ def _waits(table: SpanTable, dag: Dag, start, end):
     hit = p2p_wait > 0
     sides, other, p2p_wait = sides[hit], other[hit], p2p_wait[hit]
 
-    trace = np.concatenate([dag.join_trace, table.trace[other].astype(np.int64)])
+    trace = np.concatenate([dag.join_trace[group_join], table.trace[other].astype(np.int64)])
     late_row = np.concatenate([late, other])
-    keep = np.concatenate([join_wait > 0, np.ones(len(other), dtype=bool)])
+    keep = np.concatenate([group_wait > 0, np.ones(len(other), dtype=bool)])
     waits = Waits(
-        trace=trace[keep], is_collective=np.r_[np.ones(n_joins, bool), np.zeros(len(other), bool)][keep],
+        trace=trace[keep], is_collective=np.r_[np.ones(n_groups, bool), np.zeros(len(other), bool)][keep],
         late_row=late_row[keep], cause_row=_busy_before(table, dag, late_row[keep]),
-        cost_ns=np.rint(np.r_[join_wait, p2p_wait]).astype(np.int64)[keep],
+        cost_ns=np.rint(np.r_[group_wait, p2p_wait]).astype(np.int64)[keep],
         lateness_ns=np.r_[lateness, p2p_wait].astype(np.int64)[keep],
         waiting=np.r_[waiting, np.ones(len(other), np.int64)][keep],
-        join=np.r_[np.arange(n_joins), np.full(len(other), -1)][keep].astype(np.int64))
+        join=np.r_[group_join, np.full(len(other), -1)][keep].astype(np.int64))
     return waits, np.rint(join_wait).astype(np.int64), np.rint(join_transfer).astype(np.int64)
 
 

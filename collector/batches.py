@@ -153,6 +153,7 @@ def merge_dag(m: Merge, dags: list[Dag], matches: Matches, table: SpanTable) -> 
         join_last=cat([m.rows(b, d.join_last) for b, d in enumerate(dags)]),
         join_instance=cat([bt.instances[d.join_instance] for d, bt in zip(dags, m.batches)]).astype(np.int64),
         join_trace=cat([d.join_trace + bt.first_trace for d, bt in zip(dags, m.batches)]),
+        released_by=m.scatter_rows([m.rows(b, d.released_by) for b, d in enumerate(dags)]),
         trace_start=cat([d.trace_start for d in dags]), trace_end=cat([d.trace_end for d in dags]),
         unmatched=unmatched)
 

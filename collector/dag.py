@@ -25,15 +25,16 @@ An edge a -> b says "a happened before b, and b may have waited for it":
   JOIN          a participant's start -> the collective's join (the last entry releases it)
   COMPLETE      the join -> a participant's end
 
-Every collective is N x N here: everyone's entry joins, everyone waits for the last.
-Rooted ops too: MPI's semantics let a broadcast's root leave before a late receiver
-(Scalasca's "late broadcast") or a reduce's non-roots before a late root, but gloo blocks
-them. Measured with gloo (3 ranks, one 300 ms late, 4 B and 4 MB): a late root held up
-everyone in broadcast, reduce, gather and scatter, and a late non-root held up the root of
-all four; only reduce held up the other non-roots too. So for a broadcast, gather or
-scatter whose late rank is not the root, this model has the other non-roots wait for it,
-where they waited for the root alone (a known inaccuracy: the demo's DDP bucket-order
-broadcast shows it as a causality violation of 2.5 ms).
+Everyone's entry joins; who waits for whom follows what gloo does. MPI's semantics let a
+broadcast's root leave before a late receiver (Scalasca's "late broadcast") or a reduce's
+non-roots before a late root, but gloo blocks them. Measured with gloo (3 ranks, one 300
+ms late, 4 B and 4 MB): a late root held up everyone in broadcast, reduce, gather and
+scatter, and a late non-root held up the root of all four; only reduce held up the other
+non-roots too. So a member is released by the last to enter (COMPLETE from the join), but
+a non-root of a broadcast, gather or scatter on the host by its root's entry (COMPLETE
+from the root's start): N x N, the demo's DDP bucket-order broadcast had two non-roots
+end 2.5 ms before a late non-root entered, a causality violation. `released_by` names,
+per member, the row whose entry released it.
 
 All of it is built with array operations over the SpanTable (all traces at once).
 Edges only join spans of the same trace; a partner that is missing, or recorded under
@@ -47,7 +48,7 @@ import numpy as np
 from ..proto import semconv as sc
 from ..proto.semconv import Kind
 from .align import Alignment, host_side
-from .matching import Matches
+from .matching import Matches, released_by_root
 from .spantable import SpanTable
 
 
@@ -85,6 +86,7 @@ class Dag:
     join_last: np.ndarray     # per join: row of the last participant to enter
     join_instance: np.ndarray  # per join: collective instance in Matches
     join_trace: np.ndarray    # per join
+    released_by: np.ndarray   # per row: a collective member's releaser (join_last, or its root), -1
     trace_start: np.ndarray   # per trace: first event (aligned ns)
     trace_end: np.ndarray     # per trace: last event
     unmatched: dict           # name -> rows whose partner is missing from their trace
@@ -345,7 +347,14 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     join_trace[join_key] = trace[members]
     J = 2 * n + join_key
     add(S[members], J, Edge.JOIN)
-    add(J, E[members], Edge.COMPLETE)
+    released_by = np.full(n, -1, dtype=np.int64)
+    released_by[members] = join_last[join_key]
+    root = _roots(table, matches, members, join_key, n_joins)
+    star = (root[join_key] >= 0) & (members != root[join_key])
+    released_by[members[star]] = root[join_key[star]]
+    by_last = released_by[members] == join_last[join_key]     # (a root that entered last releases both ways)
+    add(J[by_last], E[members[by_last]], Edge.COMPLETE)
+    add(S[released_by[members[~by_last]]], E[members[~by_last]], Edge.COMPLETE)
 
     time = np.concatenate([np.stack([start, end], axis=1).reshape(-1), join_time])
     error = np.repeat(alignment.error.astype(np.int64), 2)
@@ -360,4 +369,22 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
     unmatched["parent"] = np.flatnonzero((table.parent_id != 0) & (parent < 0) & (table.kind != Kind.RPC_SERVER))
     return Dag(n, time, error, node, trace_ev, np.concatenate(src), np.concatenate(dst), np.concatenate(kinds),
                parent, prev, lane, partner, join, join_time, join_last, join_instance,
-               join_trace, trace_start, trace_end, unmatched)
+               join_trace, released_by, trace_start, trace_end, unmatched)
+
+
+def _roots(table: SpanTable, matches: Matches, members: np.ndarray, join_key: np.ndarray, n_joins: int) -> np.ndarray:
+    """Per join: the row of its root where it is a broadcast, gather or scatter on the host
+    and the root's span is among its members (the rank whose node has the global rank the
+    spans name as collective.root), else -1."""
+    root = np.full(n_joins, -1, dtype=np.int64)
+    rooted_ops = np.array([released_by_root(op) for op in matches.coll_op], dtype=bool)
+    if not rooted_ops.any():
+        return root
+    candidates = np.flatnonzero(rooted_ops[matches.coll_instance])
+    rank = np.array([r.rank for r in table.resources], dtype=np.int64)
+    for k in candidates.tolist():
+        row = int(members[k])
+        attrs = table.attributes[row]
+        if host_side(attrs, sc.COLL_DEVICE) and attrs and attrs.get(sc.COLL_ROOT) == rank[table.node[row]]:
+            root[join_key[k]] = row
+    return root

@@ -19,9 +19,15 @@ _NONE = np.empty(0, dtype=np.int64)
 # before every exit), by op name (lower case, no underscores, as a prefix:
 # all_gather_into_tensor is an allgather). Alignment makes clock facts from these only: a
 # rooted op (broadcast, scatter, reduce, gather) may let some leave early (an NCCL
-# broadcast's root, with a small message). The DAG's wait model is N x N for every op
-# (collector/dag.py says where gloo differs).
+# broadcast's root, with a small message).
 N_X_N_OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "barrier", "monitoredbarrier")
+# Rooted collectives whose non-roots wait for the root alone on the host (gloo, measured:
+# collector/dag.py); the root waits for everyone. (A reduce holds everyone up.)
+ROOT_RELEASED_OPS = ("broadcast", "gather", "scatter")
+
+
+def released_by_root(op: str) -> bool:
+    return op.lower().replace("_", "").startswith(ROOT_RELEASED_OPS)
 
 
 def is_n_x_n(op: str) -> bool:

@@ -304,12 +304,12 @@ def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
     on), so it can exceed their per-rank collective.wait, which counts each instant once."""
     start, end = dag.starts, dag.ends
     members = np.flatnonzero(dag.join >= 0)
-    j = dag.join[members]
     p2p = np.flatnonzero(dag.partner >= 0)
     p2p = p2p[np.isin(t.kind[p2p], (Kind.SEND, Kind.RECV))]
     waiter = np.concatenate([members, p2p])
-    late = np.concatenate([dag.join_last[j], dag.partner[p2p]])
-    wait_end = np.concatenate([np.minimum(dag.join_time[j], end[members]), np.minimum(start[dag.partner[p2p]], end[p2p])])
+    by = dag.released_by[members]
+    late = np.concatenate([by, dag.partner[p2p]])
+    wait_end = np.concatenate([np.minimum(start[by], end[members]), np.minimum(start[dag.partner[p2p]], end[p2p])])
     wait_start = start[waiter]
     keep = wait_end > wait_start
     waiter, late, wait_start, wait_end = waiter[keep], late[keep], wait_start[keep], wait_end[keep]

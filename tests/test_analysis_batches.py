@@ -9,6 +9,7 @@ import pytest
 from crosstrace.collector.attribution import attribute
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import trace_details
+from crosstrace.proto import semconv as sc
 from crosstrace.proto.semconv import Kind
 
 from .test_analysis_summary import edge_requests
@@ -36,8 +37,11 @@ def many_traces():
     s.add("barrier", Kind.COLLECTIVE, 1, 5, "y", trace=4, **coll(9, [0, 1], op="barrier"))
     s.add("send", Kind.SEND, 1, 2, "x", trace=4, **p2p(0, 1, 8))
     s.add("recv", Kind.RECV, 1, 3, "y", **p2p(0, 1, 8))                      # its send is in trace 4
+    for r, node in enumerate("pqr"):             # a broadcast whose non-root r enters late
+        s.add("broadcast", Kind.COLLECTIVE, 10 + 20 * (r == 2), 35, node, trace=5,
+              **coll(4, [0, 1, 2], op="broadcast"), **{sc.COLL_ROOT: 0})
     spans.extend(s.spans)
-    nodes.update({"edge": -1, "b": 1, "c": 0, "x": 0, "y": 1})
+    nodes.update({"edge": -1, "b": 1, "c": 0, "x": 0, "y": 1, "p": 0, "q": 1, "r": 2})
     s = Spans()
     edge_requests(s, first_trace=10)
     spans.extend(s.spans)
@@ -56,7 +60,7 @@ def test_batches_give_the_result_of_one_pass(batch_spans):
     for name in ("critical", "per_rank", "group", "group_trace", "group_node", "window", "segment_category",
                  "segment_row"):
         assert np.array_equal(getattr(parts, name), getattr(whole, name)), name
-    for name in ("parent", "prev", "partner", "trace_start", "trace_end", "lane"):
+    for name in ("parent", "prev", "partner", "trace_start", "trace_end", "lane", "released_by"):
         assert np.array_equal(getattr(parts.dag, name), getattr(whole.dag, name)), name
     for name in ("start", "end", "trace", "edge", "error", "violation", "bounds"):
         assert np.array_equal(getattr(parts.paths, name), getattr(whole.paths, name)), name
