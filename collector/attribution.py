@@ -96,7 +96,8 @@ _LEVELS = [_code(c) for c in PRIORITY]
 
 @dataclasses.dataclass
 class Waits:
-    """One row per wait one span caused others (a collective instance, or a p2p pair)."""
+    """One row per wait one span caused others (a collective instance and the member that
+    released the waiting ones, or a p2p pair)."""
     trace: np.ndarray
     is_collective: np.ndarray   # bool: collective join, else point-to-point
     late_row: np.ndarray        # the span that entered late

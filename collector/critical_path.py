@@ -1,7 +1,8 @@
 """The critical path of every trace: the chain of events that decided when it ended.
 
 Each event's critical predecessor is the DAG predecessor that happened last: the one
-it waited for (for a collective's join, the last rank to enter; for a receive's end,
+it waited for (for a collective's join, the last rank to enter, and for the end of a
+host broadcast's, gather's or scatter's non-root, its root's entry; for a receive's end,
 a late send). Walking these back from the trace's last event gives the path with zero
 slack, which is the longest path through the DAG when edges weigh what their activity
 took on the aligned timeline (the critical path method's definition).

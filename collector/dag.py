@@ -374,17 +374,28 @@ def stitch(table: SpanTable, alignment: Alignment, matches: Matches) -> Dag:
 
 def _roots(table: SpanTable, matches: Matches, members: np.ndarray, join_key: np.ndarray, n_joins: int) -> np.ndarray:
     """Per join: the row of its root where it is a broadcast, gather or scatter on the host
-    and the root's span is among its members (the rank whose node has the global rank the
-    spans name as collective.root), else -1."""
+    and exactly one member claims to be the root (collective.is_root, or else its node's
+    rank is the collective.root the spans name), else -1: the join stays N x N."""
     root = np.full(n_joins, -1, dtype=np.int64)
     rooted_ops = np.array([released_by_root(op) for op in matches.coll_op], dtype=bool)
     if not rooted_ops.any():
         return root
     candidates = np.flatnonzero(rooted_ops[matches.coll_instance])
     rank = np.array([r.rank for r in table.resources], dtype=np.int64)
-    for k in candidates.tolist():
-        row = int(members[k])
-        attrs = table.attributes[row]
-        if host_side(attrs, sc.COLL_DEVICE) and attrs and attrs.get(sc.COLL_ROOT) == rank[table.node[row]]:
-            root[join_key[k]] = row
+    claims = np.array([_claims_root(table.attributes[row], rank[table.node[row]])
+                       for row in members[candidates].tolist()], dtype=bool)
+    claimed = candidates[claims]
+    alone = np.bincount(join_key[claimed], minlength=n_joins)[join_key[claimed]] == 1
+    root[join_key[claimed[alone]]] = members[claimed[alone]]
     return root
+
+
+def _claims_root(attributes: dict | None, node_rank: int) -> bool:
+    if not attributes or not host_side(attributes, sc.COLL_DEVICE):
+        return False
+    if sc.COLL_IS_ROOT in attributes:
+        return attributes[sc.COLL_IS_ROOT] is True
+    try:
+        return node_rank >= 0 and int(attributes.get(sc.COLL_ROOT)) == node_rank
+    except (TypeError, ValueError, OverflowError):
+        return False

@@ -48,6 +48,7 @@ COLL_BYTES = "collective.bytes"
 COLL_RANKS = "collective.ranks"
 COLL_ASYNC = "collective.async"
 COLL_ROOT = "collective.root"      # global rank of the root of a broadcast or reduce
+COLL_IS_ROOT = "collective.is_root"   # on a rooted op's span: whether this rank is its root
 # The device type of its tensors (cpu, cuda, ...): on a device a synchronous call returns
 # once the op is queued (NCCL), so its end says nothing of when the others entered.
 COLL_DEVICE = "collective.device"

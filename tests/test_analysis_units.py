@@ -658,3 +658,23 @@ def test_a_send_that_returns_after_its_data_arrived_is_not_transfer_beyond_that(
     check_tiles(at)
     assert ms(out[0]["attribution"]) == {"compute": 20, "p2p.transfer": 2, "host.overhead": 8}
     assert ms(out[0]["per_rank"]["a"]["attribution"]) == {"compute": 20, "p2p.transfer": 2, "host.overhead": 8}
+
+
+@pytest.mark.parametrize("claims,released", [
+    ({"r0": {sc.COLL_IS_ROOT: True}, "r1": {sc.COLL_IS_ROOT: False}, "r2": {sc.COLL_IS_ROOT: False}}, True),
+    ({"r0": {sc.COLL_ROOT: "0"}, "r1": {sc.COLL_ROOT: "0"}, "r2": {sc.COLL_ROOT: "0"}}, True),   # a root as text
+    ({"r0": {sc.COLL_IS_ROOT: True}, "r1": {sc.COLL_IS_ROOT: True}, "r2": {sc.COLL_IS_ROOT: False}}, False),
+])
+def test_a_broadcast_is_released_by_its_one_root(claims, released):
+    """Its root is the one member that says it is (collective.is_root: a node's rank may be
+    unknown to the collector, -1 here for r0 in the first case) or whose node has the rank it
+    names; where two claim it, the broadcast stays N x N, whatever the rows' order."""
+    s = Spans()
+    for r in range(3):
+        enter = 40 if r == 2 else 10
+        s.add("broadcast", Kind.COLLECTIVE, enter, 45, f"r{r}", **coll(1, [0, 1, 2], op="broadcast"), **claims[f"r{r}"])
+    nodes = {"r0": -1 if sc.COLL_IS_ROOT in claims["r0"] else 0, "r1": 1, "r2": 2}
+    for spans in (s.spans, s.spans[::-1]):
+        table, at, out = analyse(spans, nodes)
+        check_tiles(at)
+        assert round(out[0]["per_rank"]["r1"]["attribution"]["collective.wait"] / MS) == (0 if released else 30)

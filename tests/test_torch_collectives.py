@@ -211,6 +211,8 @@ def test_collectives_and_p2p_join_across_ranks(world, collector):
     root = {r["name"]: r["a"].get(sc.COLL_ROOT) for r in ops}
     assert root["broadcast"] == root["scatter"] == world - 1 and root["reduce"] == root["gather"] == 0
     assert root["all_reduce"] is None
+    # each rooted op's span says whether its rank is the root (the collector may not know the rank)
+    assert all(r["a"][sc.COLL_IS_ROOT] == (r["rank"] == root[r["name"]]) for r in ops if root[r["name"]] is not None)
     nbytes = {"all_reduce": 16, "all_gather": 16, "all_gather_into_tensor": 16, "reduce_scatter": 16 * world,
               "reduce_scatter_tensor": 16 * world, "broadcast": 16, "reduce": 16, "gather": 16, "scatter": 16,
               "all_reduce_coalesced": 24, "all_gather_single": 16, "reduce_scatter_single": 16 * world,

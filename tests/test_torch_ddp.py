@@ -162,6 +162,7 @@ def test_buckets_are_collectives_joined_across_ranks(ddp_job):
     # and each model's bucket rebuild (its second forward) broadcasts the new order from rank 0
     orders = [r for r in rows if r["name"] == "ddp.broadcast_bucket_order"]
     assert orders and all(r["a"][sc.COLL_OP] == "broadcast" and r["a"][sc.COLL_ROOT] == 0 for r in orders)
+    assert all(r["a"][sc.COLL_IS_ROOT] == (r["rank"] == 0) for r in orders)
     assert len(check_collectives_join(rows)) * 3 == len(buckets) + len(orders)
     assert not [r for r in rows if r["kind"] == Kind.COLLECTIVE and r["name"] not in ("ddp.all_reduce",
                                                                                       "ddp.broadcast_bucket_order")]

@@ -349,7 +349,8 @@ def _collective_span(name: str, group: _Group, op: str, asynchronous: bool, meas
     if device is not None:
         attributes[sc.COLL_DEVICE] = device
     if root is not None:
-        attributes[sc.COLL_ROOT] = root
+        root = attributes[sc.COLL_ROOT] = int(root)
+        attributes[sc.COLL_IS_ROOT] = root == c10d.get_rank()   # (a node's rank may be unknown to the collector)
     return _tracing().tracer.start_span(name, parent, attributes=_in_run(attributes))
 
 
