@@ -53,11 +53,12 @@ def _float(text: str):
     return value if math.isfinite(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def dumps(value) -> bytes:
+def dumps(value, indent: bool = False) -> bytes:
+    """JSON; `indent`: by two, keys that are not strings written as json writes them."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS if indent else None)
     except TypeError:  # integers beyond 64 bits
-        return json.dumps(value, separators=(",", ":")).encode()
+        return (json.dumps(value, indent=2) if indent else json.dumps(value, separators=(",", ":"))).encode()
 
 
 _ATTRIBUTE_TYPES = {dict, type(None)}

@@ -27,12 +27,17 @@ ROOT_RELEASED_OPS = ("broadcast", "gather", "scatter")
 
 
 def released_by_root(op: str) -> bool:
-    return op.lower().replace("_", "").startswith(ROOT_RELEASED_OPS)
+    return _op_is(op, ROOT_RELEASED_OPS)
 
 
 def is_n_x_n(op: str) -> bool:
     """Whether every member of collective `op` must enter before any leaves."""
-    return op.lower().replace("_", "").startswith(N_X_N_OPS)
+    return _op_is(op, N_X_N_OPS)
+
+
+def _op_is(op: str, names: tuple[str, ...]) -> bool:
+    """Whether `op` is one of `names`, which are written lower case, without underscores."""
+    return op.lower().replace("_", "").startswith(names)
 
 
 # gRPC statuses a client gives a call it gave up on itself (its deadline, a cancel, a lost

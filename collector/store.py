@@ -475,17 +475,21 @@ class Store:
         if newest is not None:
             self.since_ns = newest - duration_ns
 
+    @property
+    def _since(self) -> int:
+        """Segments are read from those received then on (keep_last's window; all of them)."""
+        return np.iinfo(np.int64).min if self.since_ns is None else self.since_ns
+
     def nodes_with_spans(self) -> set[int]:
-        """The nodes (rows) with spans in what this store reads (since keep_last's window)."""
-        since = np.iinfo(np.int64).min if self.since_ns is None else self.since_ns
+        """The nodes (rows) with spans in what this store reads."""
         return {node for (node,) in self.db.execute("SELECT DISTINCT node FROM segments WHERE received_ns >= ?",
-                                                     (since,))}
+                                                     (self._since,))}
 
     def segments(self, trace_prefixes: list[str] | None = None):
         """Yield (node, SpanBatch) for every stored segment (since keep_last's window), or
         those that may hold a trace whose id starts with one of these lowercase hex prefixes
         (a segment lists the high halves of its trace ids only)."""
-        since = (self.since_ns,) if self.since_ns is not None else (np.iinfo(np.int64).min,)
+        since = (self._since,)
         if trace_prefixes is None:
             for node, data in self.db.execute("SELECT node, data FROM segments WHERE received_ns >= ? ORDER BY id",
                                               since):

@@ -30,6 +30,7 @@ from ...proto.semconv import KIND_NAMES
 from .. import attribution
 from ..columns import dumps
 from ..dag import Edge, dense
+from ..matching import occurrence
 from . import PLAIN, aligned_attributes, open_output, outcome
 
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RENDEZVOUS: "p2p receive posted", Edge.RPC_REQUEST: "rpc request",
@@ -81,11 +82,8 @@ def _flow_ends(dag, flows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     times = dag.time[events]
     is_end = (events < 2 * dag.n_rows) & (events % 2 == 1)
     instants = np.where(is_end, np.maximum(times - 1, dag.starts[rows]), times)
-    order = np.lexsort((instants[0], rows[0]))
-    same = np.r_[False, (rows[0][order][1:] == rows[0][order][:-1]) & (instants[0][order][1:] == instants[0][order][:-1])]
-    run_start = np.maximum.accumulate(np.where(same, 0, np.arange(len(order))))
-    last_inside = np.maximum(dag.ends[rows[0]] - 1, dag.starts[rows[0]])
-    instants[0][order] = np.minimum(instants[0][order] + np.arange(len(order)) - run_start, last_inside[order])
+    before = occurrence(dense(rows[0], instants[0])[0])   # arrows that left that span at that instant before
+    instants[0] = np.minimum(instants[0] + before, np.maximum(dag.ends[rows[0]] - 1, dag.starts[rows[0]]))
     instants[1] = np.maximum(instants[1], instants[0])
     return instants, rows, np.maximum(times[0] - times[1], 0)
 

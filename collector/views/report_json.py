@@ -4,22 +4,13 @@ json.dump with an indent is pure Python: it took 7.3 s of a 10.8 s report of 250
 where orjson takes 0.5 s; orjson's whole document at once would hold 210 MB more at the
 report's peak. So each trace, and each other top-level value, is one orjson call, indented
 as json.dump(indent=2) would (orjson indents by two from its own start)."""
-import json
-
-import orjson
-
+from ..columns import dumps
 from . import open_output
-
-_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
 
 
 def _dumps(value, depth: int) -> bytes:
     """`value` indented for its place `depth` levels deep."""
-    try:
-        data = orjson.dumps(value, option=_OPTIONS)
-    except TypeError:   # what orjson refuses (an integer beyond 64 bits)
-        data = json.dumps(value, indent=2).encode()
-    return data.replace(b"\n", b"\n" + b"  " * depth)
+    return dumps(value, indent=True).replace(b"\n", b"\n" + b"  " * depth)
 
 
 def write(path: str, report: dict) -> None:
@@ -28,7 +19,7 @@ def write(path: str, report: dict) -> None:
         out.write(b"{")
         for k, (key, value) in enumerate(report.items()):
             out.write(b"," if k else b"")
-            out.write(b'\n  ' + orjson.dumps(str(key)) + b": ")
+            out.write(b'\n  ' + dumps(str(key)) + b": ")
             if key == "traces" and isinstance(value, list) and value:
                 out.write(b"[")
                 for i, trace in enumerate(value):
