@@ -6,6 +6,9 @@ a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Rounds
 alternate between the two so that machine noise hits both alike; the medians are
 compared. Target: ratio <= 0.10, and <= 500 bytes per queued span.
 
+A third tracer shows the floor of the API itself: OpenTelemetry's no-op tracer (what
+`trace.get_tracer()` gives where no SDK is installed), which records nothing.
+
     python bench/tracer_overhead.py [--spans N] [--rounds R]
 """
 import argparse
@@ -15,6 +18,7 @@ import tempfile
 import time
 import tracemalloc
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider as SdkProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from peers import NoopExporter
@@ -68,7 +72,8 @@ def main() -> None:
         ours = crosstrace.TracerProvider(endpoint=collector.address, node_id="bench")
         sdk = SdkProvider()
         sdk.add_span_processor(BatchSpanProcessor(NoopExporter()))
-        tracers = {"crosstrace": ours.get_tracer("bench"), "otel-sdk": sdk.get_tracer("bench")}
+        tracers = {"crosstrace": ours.get_tracer("bench"), "otel-sdk": sdk.get_tracer("bench"),
+                   "otel-api-noop": trace.NoOpTracer()}
         for tracer in tracers.values():
             per_span_us(tracer, 2000)  # warm up
         times = {name: [] for name in tracers}
@@ -89,6 +94,9 @@ def main() -> None:
               + " ".join(f"{t[i]:.2f}" for t in times["crosstrace"]) + "; sdk "
               + " ".join(f"{t[i]:.1f}" for t in times["otel-sdk"]) + ")")
     print(f"ratio crosstrace/sdk: wall {ratios[0]:.3f}, CPU {ratios[1]:.3f}   (target <= 0.10)")
+    noop = statistics.median(t[0] for t in times["otel-api-noop"])
+    print(f"OpenTelemetry's no-op tracer, recording nothing: {noop:.2f} us/span (wall); crosstrace, recording "
+          f"and exporting, takes {statistics.median(t[0] for t in times['crosstrace']) / noop:.2f} of it")
     print(f"all spans acked by the collector: {flushed}, dropped: {ours.dropped_spans}")
     ours_b, sdk_b = queued_bytes_per_span()
     print(f"memory per queued span: crosstrace {ours_b:.0f} bytes (target <= 500), opentelemetry-sdk {sdk_b:.0f} "
