@@ -36,6 +36,7 @@ class Analysed:
     table: SpanTable
     alignment: Alignment
     matches: Matches
+    trace_ids: list[str] | None = None   # the traces asked for; None: all
 
 
 def analyse_store(store, trace_ids: list[str] | None = None, progress=None) -> Analysed:
@@ -48,7 +49,7 @@ def analyse_store(store, trace_ids: list[str] | None = None, progress=None) -> A
     epoch = int(store.meta("epoch_offset_ns") or 0)
     matches = match(table)
     alignment = align(table, models, epoch, matches)
-    return Analysed(table, alignment, matches)
+    return Analysed(table, alignment, matches, trace_ids)
 
 
 def trace_summaries(a: Analysed) -> list[dict]:
@@ -98,6 +99,15 @@ def clocks_section(models) -> dict:
     return out
 
 
+def _shown_models(a: Analysed) -> dict:
+    """The clocks a report lists: every node's, or, for the traces asked for, their nodes'
+    (all are fitted, since a node's clock can be known through a peer's)."""
+    if a.trace_ids is None:
+        return a.alignment.models
+    traced = {a.table.nodes[i] for i in np.unique(a.table.node).tolist()}
+    return {node: model for node, model in a.alignment.models.items() if node in traced}
+
+
 def open_store(path: str, last: int | None = None) -> Store:
     """The store to read, restricted to its last `last` ns of data when given."""
     store = Store(path, readonly=True)
@@ -141,7 +151,7 @@ def build(store, a: Analysed, at: "attribution.Attribution", budget_list=None) -
         "epoch_offset_ns": a.alignment.epoch_offset_ns,
         "traces": traces,
         "summary": kind_summaries(a.table, at, traces),
-        "clocks": clocks_section(a.alignment.models),
+        "clocks": clocks_section(_shown_models(a)),
         "dropped_spans": store.dropped_by_node(),
         "rejected_spans": store.rejects(),
         "unmatched": {k: int(len(v)) for k, v in at.dag.unmatched.items()},

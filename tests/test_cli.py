@@ -517,3 +517,16 @@ def test_a_demo_leaves_a_store_that_a_collector_is_writing_alone(three_traces):
     report = crosstrace("report", "--store", three_traces, "--json", "-")
     assert report.returncode == 0, report.stderr
     assert len(json.loads(report.stdout)["traces"]) == len(TRACES)
+
+
+def test_a_report_of_some_traces_lists_their_nodes_clocks_only(collector):
+    """Another node's clock says nothing of the trace asked for; the whole store's report lists both."""
+    acks, err = export(collector.address, [batch(2, node="edge", trace_hi=1).SerializeToString(),
+                                           batch(2, seq=2, node="cloud", trace_hi=2, first_id=5).SerializeToString()])
+    assert err is None and [a.accepted for a in acks] == [2, 2]
+    whole = crosstrace("report", "--store", collector.store, "--json", "-")
+    assert whole.returncode == 0, whole.stderr
+    assert sorted(json.loads(whole.stdout)["clocks"]) == ["cloud", "edge"]
+    one = crosstrace("report", "--store", collector.store, "--trace", f"{1:016x}", "--json", "-")
+    assert one.returncode == 0, one.stderr
+    assert list(json.loads(one.stdout)["clocks"]) == ["edge"]
