@@ -69,6 +69,15 @@ PRIORITY = ("compute", "data", "collective.transfer", "p2p.transfer", "network.u
 # A rank's waiting for others: per rank, not on the critical path, is where a budget measures
 # it; and a straggler's own waiting is taken off the delay it caused.
 WAITING = ("collective.wait", "p2p.wait", "bubble")
+# The kinds of span a trace needs to have time in a category (bubble needs a pipeline rank;
+# host.overhead and clock.uncertainty, none): a category budget samples only such traces,
+# since a training step has no uplink, and its 0 says nothing of the link.
+SOURCE_KINDS = {
+    "compute": (Kind.COMPUTE,), "data": (Kind.DATA,),
+    "network.uplink": (Kind.RPC_CLIENT, Kind.RPC_SERVER), "network.downlink": (Kind.RPC_CLIENT, Kind.RPC_SERVER),
+    "collective.wait": (Kind.COLLECTIVE,), "collective.transfer": (Kind.COLLECTIVE,),
+    "p2p.wait": (Kind.SEND, Kind.RECV), "p2p.transfer": (Kind.SEND, Kind.RECV),
+}
 OFF_PATH = ("collective.wait", "p2p.wait")   # never on the critical path (bubble is: a stage's idle time)
 # The straggler is named where its delay cost less its own waiting is at least this share of
 # its trace. Balanced GPipe stages (40 ms per action, 400 ms steps) on a loaded 2-core machine

@@ -30,7 +30,10 @@ nearest-rank percentile: the smallest sample with at least that share of the sam
 below it, never an interpolation; p99 of 100 samples is the second largest). `name` (optional label).
 What is measured, one sample each:
   - `span`: every matching span, its duration on the aligned timeline;
-  - `category`: every trace, the time in that category; `measure` says where:
+  - `category`: every trace that can have that time (one with RPCs for network.*, with
+    collectives for collective.*, sends or receives for p2p.*, a pipeline for bubble, compute
+    or data spans for those; any for host.overhead and clock.uncertainty: a training step's
+    0 of uplink would say nothing of the link), the time in it; `measure` says where:
     "critical_path" (the default), "worst_rank" or "mean_rank" (the per-rank breakdown).
     collective.wait, p2p.wait and bubble default to "worst_rank": by construction, waiting
     is never on the critical path (the path runs through whoever was late), and
@@ -47,7 +50,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .attribution import CATEGORIES, OFF_PATH, WAITING, Attribution
+from .attribution import CATEGORIES, OFF_PATH, SOURCE_KINDS, WAITING, Attribution
 from .durations import format_ns, parse_ns
 from .spantable import SpanTable
 
@@ -162,6 +165,8 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
     """(values, (trace id, node id or None) per value) of one budget: a span's node, or the
     worst rank's, is named, so that its worst samples say whom to ask."""
     chosen = [t for t in traces if b.traces is None or fnmatch.fnmatchcase(t["name"], b.traces)]
+    if b.category is not None:
+        chosen = _can_have(b.category, chosen, table)
     if b.span is None:
         values, ids = [], []
         for t in chosen:
@@ -189,6 +194,18 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
         duration = duration / np.maximum(at.dag.trace_end[trace] - at.dag.trace_start[trace], 1)
     return duration, [(table.trace_ids[tr], table.nodes[node])
                       for tr, node in zip(table.trace[rows].tolist(), table.node[rows].tolist())]
+
+
+def _can_have(category: str, traces: list[dict], table: SpanTable) -> list[dict]:
+    """The traces that can have time in `category` (attribution.SOURCE_KINDS)."""
+    if category == "bubble":
+        return [t for t in traces if t["pipeline"] is not None]
+    kinds = SOURCE_KINDS.get(category)
+    if kinds is None:
+        return traces
+    having = set(table.trace[np.isin(table.kind, kinds)].tolist())
+    index = {trace_id: i for i, trace_id in enumerate(table.trace_ids)}
+    return [t for t in traces if index[t["trace_id"]] in having]
 
 
 def _per_rank(b: Budget, trace: dict) -> tuple[float, str | None]:

@@ -146,6 +146,34 @@ max = "1ms"
     assert by_rule["no such span <= 1ms"]["status"] == "no_data" and not by_rule["no such span <= 1ms"]["ok"]
 
 
+def test_a_category_is_sampled_in_the_traces_that_can_have_it(tmp_path):
+    """A trace without collectives has no collective time: counted as a 0, it passed a
+    median that the one step with collectives violates. Every trace has host.overhead."""
+    spans, nodes = straggler_step(late_ms=50)
+    more = Spans(trace=2)
+    root = more.add("request", Kind.INTERNAL, 0, 50, "rank0")
+    more.add("preprocess", Kind.COMPUTE, 1, 40, "rank0", root)
+    results = evaluate(spans + more.spans, nodes, """
+[[budget]]
+category = "collective.transfer"
+percentile = 50
+max = "1ms"
+
+[[budget]]
+category = "network.uplink"
+max = "1ms"
+
+[[budget]]
+category = "host.overhead"
+max = "1s"
+""", tmp_path)
+    transfer, uplink, overhead = results
+    assert (transfer["samples"], transfer["measured"], transfer["status"]) == (1, 9 * MS, "violated")
+    assert transfer["worst"][0]["trace_id"] == f"{1:032x}"
+    assert uplink["status"] == "no_data"   # no RPC anywhere: no sample, so the gate fails
+    assert overhead["samples"] == 2 and overhead["ok"]
+
+
 def test_a_ranks_share_is_of_its_window(tmp_path):
     """A per-rank share (the waits, bubble) is of each rank's window, as the report's
     breakdown and bubble fraction are: of the trace's duration, which includes time before

@@ -28,7 +28,9 @@ trace's duration, or per rank of the rank's window); percentile (default 100: ev
 sample; nearest rank); span + node, or category (+ measure: critical_path, worst_rank,
 mean_rank; waits and bubble default to worst_rank, and collective.wait and p2p.wait are
 never on the critical path), or neither (the trace's duration); traces (glob on the trace
-name); name (a label). A span budget takes one sample per span, the others one per trace.
+name); name (a label). A span budget takes one sample per span, the others one per trace
+(a category budget, per trace that can have it: with RPCs for network.*, collectives for
+collective.*, sends or receives for p2p.*, a pipeline for bubble).
 A budget that matches nothing fails. `crosstrace report --budget` shows the same table.
 exit status: 0 all budgets hold, 1 a budget is violated or has no data, 2 bad input.
 """
