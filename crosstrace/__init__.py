@@ -1,5 +1,15 @@
 """crosstrace: distributed tracing for multi-node ML jobs and edge-to-cloud inference."""
+import os as _os
+
 from opentelemetry import trace as _trace
+
+# In a clone of the repository the subpackages (proto/, tracer/, collector/, clock_sync/)
+# sit beside this folder, where only an install puts them inside it: Python started in the
+# clone's root imports this folder rather than the installed package, and finds them there.
+_source_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "tracer")) and \
+        _os.path.isfile(_os.path.join(_source_root, "tracer", "provider.py")):
+    __path__.append(_source_root)
 
 from .proto.semconv import Kind
 from .tracer.instrument.grpc import (aio_client_interceptors, aio_server_interceptor, instrument_channel,

@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import tomllib
 
@@ -85,3 +86,17 @@ def test_every_imported_distribution_is_declared():
                     if dist not in declared:
                         undeclared.setdefault(dist or module, set()).add(os.path.relpath(path, REPO))
     assert not undeclared, f"imported but not in pyproject's dependencies (or the torch extra): {undeclared}"
+
+
+def test_python_started_in_the_clone_imports_the_clone():
+    """Python started in the clone's root (a script saved there, a REPL) imports the clone's
+    `crosstrace` folder before the installed package; after the quick start's plain install
+    that failed with "No module named 'crosstrace.proto'". The editable install's finder is
+    taken away here, as a plain install has none."""
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+            "import crosstrace.tracer.provider, crosstrace.collector.report\n"
+            "print(crosstrace.__file__); print(crosstrace.collector.report.__file__)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [os.path.join(REPO, "crosstrace", "__init__.py"),
+                                     os.path.join(REPO, "collector", "report.py")]
