@@ -436,6 +436,16 @@ def test_malformed_settings_are_reported_and_urls_are_taken(monkeypatch):
         assert (fallback.endpoint, fallback.uses_tls) == ("127.0.0.1:4327", False)
 
 
+def test_a_configuration_warning_points_at_the_callers_line():
+    """It pointed into crosstrace (provider.py, where the options are read), not at the
+    init() or TracerProvider() that gave them."""
+    with pytest.warns(RuntimeWarning, match="batch_size=0 is below its minimum") as warned:
+        crosstrace.init(batch_size=0, set_global=False, disabled=True)
+    with pytest.warns(RuntimeWarning, match="ignoring endpoint 'nohost'") as warned_too:
+        crosstrace.TracerProvider(endpoint="nohost", disabled=True)
+    assert [w.filename for w in (*warned, *warned_too)] == [__file__, __file__]
+
+
 def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector):
     tracer = provider.get_tracer("test")
     other = trace.SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=trace.TraceFlags(1))

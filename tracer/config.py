@@ -9,8 +9,11 @@ with a warning and its default is used: the tracer must never stop the program i
 import dataclasses
 import os
 import socket
+import sys
 import urllib.parse
 import warnings
+
+import opentelemetry.trace
 
 from ..proto.endpoint import from_url, split_host_port
 
@@ -90,8 +93,7 @@ class Config:
             value = getattr(cfg, name)
             if not value >= minimum:
                 default = _FIELDS[name].default
-                warnings.warn(f"crosstrace: {name}={value!r} is below its minimum {minimum}; using {default}",
-                              RuntimeWarning, stacklevel=2)
+                _warn(f"crosstrace: {name}={value!r} is below its minimum {minimum}; using {default}")
                 setattr(cfg, name, default)
         if not cfg.node_id:
             host = socket.gethostname()
@@ -112,8 +114,7 @@ def _check_endpoint(cfg: Config) -> None:
             raise ValueError("a URL scheme other than http or https")
     except ValueError as exc:
         default = _FIELDS["endpoint"].default
-        warnings.warn(f"crosstrace: ignoring endpoint {cfg.endpoint!r} ({exc}); using {default}",
-                      RuntimeWarning, stacklevel=3)
+        _warn(f"crosstrace: ignoring endpoint {cfg.endpoint!r} ({exc}); using {default}")
         endpoint, tls = default, False
     cfg.endpoint, cfg.tls = endpoint, cfg.tls or tls
 
@@ -132,12 +133,11 @@ def _follow_opentelemetry(cfg: Config, env, given: set) -> None:
         "OTEL_TRACES_SAMPLER=always_off" if sampler == "always_off" else None)
     if off:
         cfg.disabled = True
-        warnings.warn(f"crosstrace: tracing is off, as {off} asks (CROSSTRACE_DISABLED=false or "
-                      "init(disabled=False) turns it on)", RuntimeWarning, stacklevel=3)
+        _warn(f"crosstrace: tracing is off, as {off} asks (CROSSTRACE_DISABLED=false or "
+              "init(disabled=False) turns it on)")
     elif sampler not in ("", "always_on", "parentbased_always_on"):
-        warnings.warn(f"crosstrace: OTEL_TRACES_SAMPLER={sampler} is not followed: crosstrace records every span "
-                      "under a sampled parent, and samples training steps itself (crosstrace.step(k, every=N))",
-                      RuntimeWarning, stacklevel=3)
+        _warn(f"crosstrace: OTEL_TRACES_SAMPLER={sampler} is not followed: crosstrace records every span "
+              "under a sampled parent, and samples training steps itself (crosstrace.step(k, every=N))")
 
 
 def _text_labels(labels) -> dict:
@@ -145,7 +145,7 @@ def _text_labels(labels) -> dict:
     try:
         return {str(key): str(value) for key, value in dict(labels).items()}
     except (TypeError, ValueError):
-        warnings.warn(f"crosstrace: ignoring labels={labels!r}: expected a mapping", RuntimeWarning, stacklevel=4)
+        _warn(f"crosstrace: ignoring labels={labels!r}: expected a mapping")
         return {}
 
 
@@ -155,13 +155,24 @@ def _labels(raw: str, source: str) -> dict:
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            warnings.warn(f"crosstrace: ignoring {item!r} in {source}: expected key=value", RuntimeWarning,
-                          stacklevel=4)
+            _warn(f"crosstrace: ignoring {item!r} in {source}: expected key=value")
             continue
         labels[urllib.parse.unquote(key.strip())] = urllib.parse.unquote(value.strip())
     return labels
 
 
+def _warn(message: str) -> None:
+    """A RuntimeWarning that points at the caller's line (its init(), TracerProvider() or,
+    through the entry point, trace.get_tracer()), past crosstrace's and OpenTelemetry's
+    frames, however deep in them the option was read."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
+
+
+_OWN_DIRS = tuple(os.path.dirname(path) + os.sep for path in (
+    sys.modules["crosstrace"].__file__, __file__, os.path.dirname(opentelemetry.trace.__file__)))
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # Sizes and periods below these make the exporter spin or never send: such a value is
 # reported and its default used.
@@ -189,6 +200,6 @@ def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str)
             value = raw
     except (ValueError, KeyError):
         expected = "true/false, 1/0, yes/no or on/off" if kind.startswith("bool") else kind
-        warnings.warn(f"crosstrace: ignoring {source}={raw!r}: expected {expected}", RuntimeWarning, stacklevel=3)
+        _warn(f"crosstrace: ignoring {source}={raw!r}: expected {expected}")
         return
     setattr(cfg, field.name, value)

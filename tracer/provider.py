@@ -531,11 +531,15 @@ def _exit_hook(provider: TracerProvider) -> None:
     spooled, lost = provider._exporter.unacked_spans()
     cfg = provider.config
     if spooled:
-        log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged, kept in %s "
-                    "for the next process there", spooled, cfg.endpoint, cfg.spool_dir)
+        log.warning("crosstrace: exiting with %d %s the collector at %s has not acknowledged, kept in %s "
+                    "for the next process there", spooled, _spans(spooled), cfg.endpoint, cfg.spool_dir)
     if lost:
-        log.warning("crosstrace: exiting with %d spans the collector at %s has not acknowledged: lost",
-                    lost, cfg.endpoint)
+        log.warning("crosstrace: exiting with %d %s the collector at %s has not acknowledged: lost",
+                    lost, _spans(lost), cfg.endpoint)
+
+
+def _spans(n: int) -> str:
+    return "span" if n == 1 else "spans"
 
 
 def _in_multiprocessing_child(provider: TracerProvider) -> None:
