@@ -19,10 +19,16 @@ Exporter, wired in by `crosstrace collector`; here it is any object with
 """
 import logging
 
-from ..proto import pb
+from ..proto import MAX_MESSAGE_BYTES, pb
+from .ingest import TooLarge
 from .store import MEASURED_HERE
 
 log = logging.getLogger("crosstrace.collector")
+
+# What marking a batch adds at most: its relay mark (a 16-byte session id, tag and length),
+# and per clock exchange named, two strings' tags and lengths and its own length's growth.
+_MARK_BYTES = 20
+_SAMPLE_MARK_BYTES = 12
 
 
 def for_upstream(batch: "pb.SpanBatch", relay_node_id: str, relay_clock: str) -> "pb.SpanBatch":
@@ -57,6 +63,17 @@ class Relay:
                         "(check each relay's --forward-to); such batches are not stored or forwarded again",
                         self.node_id, batch.resource.node_id, len(batch.relayed_by))
         return True
+
+    def check_fits(self, batch: "pb.SpanBatch") -> None:
+        """Refuse, before it is kept and acked, a batch that would go over gRPC's message limit
+        once marked for upstream (its mark, and the relay named in its clock exchanges):
+        upstream refused it, and the relay dropped the batch it had acked."""
+        marked = sum(1 for s in batch.clock_samples if not s.peer and s.source in MEASURED_HERE)
+        size = batch.ByteSize() + _MARK_BYTES + marked * (len(self.node_id.encode()) + len(self.clock.encode())
+                                                          + _SAMPLE_MARK_BYTES)
+        if size > MAX_MESSAGE_BYTES:
+            raise TooLarge(f"batch seq={batch.seq} would be about {size} bytes once marked for upstream; a relay "
+                           f"forwards at most {MAX_MESSAGE_BYTES} bytes a batch")
 
     def __call__(self, batch: "pb.SpanBatch") -> None:
         batch.relayed_by.append(self.mark)

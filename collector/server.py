@@ -185,8 +185,10 @@ class CollectorService:
         """Check one batch, commit it (and on a relay, hand it on upstream); durable on return.
         Raises BadBatch for a batch that cannot be read, StoreUnavailable when it cannot be kept."""
         checked = check(batch)
-        if self.forward is not None and self.forward.came_back(batch):   # a forwarding loop
-            return checked, WriteResult(0, checked.batch.count, resent=True)
+        if self.forward is not None:
+            if self.forward.came_back(batch):   # a forwarding loop
+                return checked, WriteResult(0, checked.batch.count, resent=True)
+            self.forward.check_fits(batch)
         try:
             result = self.writer.submit(checked).result()
         except Exception as exc:

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from crosstrace.collector import spantable
 from crosstrace.collector.align import fit_models
 from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until, free_port
@@ -225,3 +226,31 @@ def test_a_relay_forwarding_to_itself_is_refused_at_start(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "own --listen address" in out.stderr, out.stderr
     assert not (tmp_path / "s.db").exists()
+
+
+def test_a_batch_too_large_once_marked_is_refused_before_the_relay_acks_it(tmp_path):
+    """A batch just under gRPC's limit took the relay's mark on its way up, went over it,
+    and upstream refused it: the relay had acked it, and dropped it. It is refused now,
+    before it is kept, and the next batch goes up."""
+    from crosstrace.proto import MAX_MESSAGE_BYTES
+    from .test_collector_input import batch, export
+
+    big = batch(1, attributes_json=b'[{"jpeg": ""}]')
+    big.attributes_json = b'[{"jpeg": "' + b"x" * (MAX_MESSAGE_BYTES - 16 - big.ByteSize()) + b'"}]'
+    assert MAX_MESSAGE_BYTES - 16 <= big.ByteSize() <= MAX_MESSAGE_BYTES
+    with CollectorProcess(str(tmp_path / "cloud.db")) as cloud, \
+            CollectorProcess(str(tmp_path / "gateway.db"), extra_args=("--forward-to", cloud.address)) as relay:
+        acks, err = export(relay.address, [big.SerializeToString()], timeout=60)
+        assert not acks and err.code().name == "RESOURCE_EXHAUSTED" and "once marked for upstream" in err.details()
+        acks, err = export(relay.address, [batch(3, seq=2, first_id=10).SerializeToString()])
+        assert err is None and acks[0].accepted == 3
+        assert wait_until(lambda: span_ids(cloud.store) == [10, 11, 12], 30)
+        assert span_ids(relay.store) == [10, 11, 12]   # not kept at the gateway either
+
+
+def span_ids(path: str) -> list[int]:
+    store = Store(path, readonly=True)
+    try:
+        return sorted(spantable.load(store).span_id.tolist())
+    finally:
+        store.close()
