@@ -81,9 +81,12 @@ def view(batch: "pb.SpanBatch") -> dict[str, np.ndarray]:
     return out
 
 
-def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
-    """(attributes per span, extras by span index); BadBatch when they do not fit the batch."""
+def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict], np.ndarray]:
+    """(attributes per span, extras by span index, per span whether its own entry is not an
+    object): a span with such an entry is rejected alone, the rest of its batch kept;
+    BadBatch when the columns do not fit the batch, which no span can be told apart in."""
     n = batch.count
+    not_object = np.zeros(n, dtype=bool)
     if batch.attributes_json:
         try:
             attributes = loads(batch.attributes_json)
@@ -92,7 +95,9 @@ def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
         if not isinstance(attributes, list) or len(attributes) != n:
             raise BadBatch(f"attributes_json must be a JSON array of count={n} entries")
         if not set(map(type, attributes)) <= _ATTRIBUTE_TYPES:
-            raise BadBatch("attributes_json entries must be objects or null")
+            for i, value in enumerate(attributes):
+                if type(value) not in _ATTRIBUTE_TYPES:
+                    not_object[i], attributes[i] = True, None
     else:
         attributes = [None] * n
     extras: dict[int, dict] = {}
@@ -100,12 +105,15 @@ def parse_json_columns(batch: "pb.SpanBatch") -> tuple[list, dict[int, dict]]:
         try:
             rows = loads(batch.extras_json)
             for index, extra in rows:
-                if type(index) is not int or not 0 <= index < n or type(extra) is not dict:
-                    raise ValueError(f"entry for span {index!r}")
-                extras[index] = extra
+                if type(index) is not int or not 0 <= index < n:
+                    raise ValueError(f"span index {index!r}")
+                if type(extra) is dict:
+                    extras[index] = extra
+                else:
+                    not_object[index] = True
         except (ValueError, TypeError) as exc:
             raise BadBatch(f"extras_json must be a JSON array of [span_index, object]: {exc}") from None
-    return attributes, extras
+    return attributes, extras, not_object
 
 
 # Deepest nesting kept: json writes what orjson cannot (beyond 254 levels) while Python's

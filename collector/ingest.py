@@ -67,7 +67,7 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
     if batch.resource.attributes_json:   # read back by every OTLP export: one that breaks breaks them all
         check_object(batch.resource.attributes_json, "resource.attributes_json")
     cols = view(batch)
-    attributes, extras = parse_json_columns(batch)
+    attributes, extras, not_object = parse_json_columns(batch)
     start, end = cols["start_ns"], cols["end_ns"]
     # Compared directly, not through abs() and a difference, which wrap around at the int64 limits.
     sane = (start >= -MAX_ABS_TIMESTAMP_NS) & (start <= MAX_ABS_TIMESTAMP_NS) & \
@@ -81,6 +81,7 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
         ("unknown_kind", cols["kind"] > MAX_KIND),
         ("unknown_status", cols["status"] > MAX_STATUS),
         ("bad_name_index", cols["name"] >= len(batch.strings)),
+        ("attributes_not_an_object", not_object),
         ("attributes_too_deep", too_deep(attributes, extras)),
     )
     keep = np.ones(batch.count, dtype=bool)

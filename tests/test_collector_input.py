@@ -395,6 +395,17 @@ def test_samples_naming_a_node_id_on_two_clocks_name_the_right_row(tmp_path):
     assert [(row[2], row[7]) for row in rows] == [("srv#2", 1), ("srv", 2), ("other", 4)]
 
 
+def test_a_span_whose_attributes_or_extras_are_not_an_object_is_rejected_alone(collector):
+    """One span's entry of another type (a number, a list) refused its whole batch, with the
+    good spans in it."""
+    b = batch(4)
+    b.attributes_json = b'[{"a":1},5,null,{"b":2}]'
+    b.extras_json = b'[[0,{"status_message":"ok"}],[3,"oops"]]'
+    acks, err = export(collector.address, [b.SerializeToString()])
+    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"attributes_not_an_object": 2}
+    assert rejects(collector)["attributes_not_an_object"] == 2
+
+
 def test_attributes_nested_too_deep_to_write_back_are_rejected_one_by_one(collector, tmp_path):
     """JSON that reads but cannot be written back (1000 levels: json's recursion fails where
     orjson's limit is passed) failed the store write: the client was told to retry a batch
