@@ -99,16 +99,21 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
 
 
 _TWO_WAY = (pb.GRPC_EXCHANGE, pb.UDP_EXCHANGE, pb.RPC_PIGGYBACK)
+_SOURCES = (*_TWO_WAY, pb.NTP, pb.PTP)
 
 
 def _sane(s: "pb.ClockSample") -> bool:
-    """A clock sample whose times could be readings (as spans' timestamps are checked), with
-    an error bound of at most an hour and a two-way exchange that took no negative time at
-    either end, nor more than an hour: one absurd sample (INT64_MIN) broke every report of
-    its store."""
+    """A clock sample of a source the collector reads, whose times could be readings (as
+    spans' timestamps are checked), with an error bound of at most an hour and a two-way
+    exchange that took no negative time at either end, nor more than an hour, between clocks
+    no further apart than a timestamp may be: one absurd sample (INT64_MIN) broke every
+    report of its store, and one of clocks 2^63 ns apart wrapped around in its node's model."""
+    if s.source not in _SOURCES:
+        return False
     times = (s.t1, s.t2, s.t3, s.t4, s.local_ns, s.offset_ns)
     if not all(-MAX_ABS_TIMESTAMP_NS <= t <= MAX_ABS_TIMESTAMP_NS for t in times):
         return False
     if not 0 <= s.error_ns <= MAX_CLOCK_ERROR_NS:
         return False
-    return s.source not in _TWO_WAY or (0 <= s.t4 - s.t1 <= MAX_CLOCK_ERROR_NS and s.t3 >= s.t2)
+    return s.source not in _TWO_WAY or (0 <= s.t4 - s.t1 <= MAX_CLOCK_ERROR_NS and s.t3 >= s.t2
+                                        and abs(s.t2 - s.t1) <= MAX_ABS_TIMESTAMP_NS)

@@ -439,9 +439,13 @@ def test_absurd_clock_samples_are_rejected_and_reports_go_on(collector):
         # bounds of decades (a float polygon of them came out empty: IndexError in every report),
         # and a round trip of two hours
         pb.ClockSample(source=pb.NTP, offset_ns=10**9, error_ns=788643926284085998, local_ns=1),
-        pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 + 7200 * 10**9)])
+        pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 + 7200 * 10**9),
+        # clocks 2^63 ns apart (the offset wrapped around), and sources nothing reads
+        pb.ClockSample(source=pb.GRPC_EXCHANGE, t1=-(1 << 62), t2=1 << 62, t3=1 << 62, t4=-(1 << 62) + 100),
+        pb.ClockSample(source=99, t1=10**9, t2=10**9 + 100, t3=10**9 + 200, t4=10**9 + 300),
+        pb.ClockSample(source=pb.CLOCK_SOURCE_UNSPECIFIED, offset_ns=5, local_ns=10**9)])
     acks, err = export(collector.address, [b.SerializeToString()])
-    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"absurd_clock_sample": 5}
+    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"absurd_clock_sample": 8}
     store = Store(collector.store, readonly=True)
     try:
         assert [row[1] for row in store.clock_samples()] == [pb.GRPC_EXCHANGE]
