@@ -470,7 +470,8 @@ def test_what_ingest_keeps_breaks_no_reader(collector, tmp_path):
     wide = batch(2, seq=2, trace_hi=8, first_id=10, start_ns=np.array([-limit, limit - month], "<i8"),
                  end_ns=np.array([-limit + 500, limit], "<i8"))
     staged = batch(1, seq=3, trace_hi=9, first_id=20)
-    staged.attributes_json = b'[{"pp.stage":0,"pp.microbatch":0,"pp.action":"F","pp.num_stages":1e400}]'
+    staged.attributes_json = b'[{"pp.stage":0,"pp.microbatch":0,"pp.action":"F","pp.num_stages":1e400,' \
+                             b'"ddp.ready_ns":9223372036854775807}]'   # a node-clock time at int64's limit
     many = [batch(1, seq=1, trace_hi=10, first_id=30 + k, node="dropping") for k in range(2)]
     for k, b in enumerate(many):
         b.session_id, b.dropped_spans = bytes([k]) * 16, (1 << 63) - 1
@@ -489,6 +490,9 @@ def test_what_ingest_keeps_breaks_no_reader(collector, tmp_path):
         assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["dropped_spans"]["dropping"] == 2 * ((1 << 63) - 1)
+    exported = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [s["attributes"]["ddp.ready_ns"] for s in exported if "ddp.ready_ns" in s["attributes"]] == \
+        [(1 << 63) - 1]   # left as it came: placed, it wrapped around to -9223372036854406874
     assert len(report["traces"]) == 4
     for trace in report["traces"]:
         assert trace["duration_ns"] >= 0 and all(s["duration_ns"] >= 0 for s in trace["critical_path"])

@@ -2,6 +2,7 @@ import contextlib
 import sys
 
 from ...proto.semconv import NODE_CLOCK_TIMES, Status
+from ..ingest import MAX_ABS_TIMESTAMP_NS
 
 STATUS_NAMES = {s.value: s.name for s in Status}
 
@@ -36,10 +37,16 @@ def placed_attributes(attributes: dict | None, place) -> dict:
     """A span's attributes, those that are times on its node's clock (NODE_CLOCK_TIMES)
     placed as its start and end are: `place` maps a list of such times."""
     attributes = attributes or {}
-    times = [key for key in NODE_CLOCK_TIMES if type(attributes.get(key)) is int and -1 << 63 <= attributes[key] < 1 << 63]
+    times = [key for key in NODE_CLOCK_TIMES if _a_time(attributes.get(key))]
     if not times:
         return attributes
     return {**attributes, **dict(zip(times, place([attributes[key] for key in times])))}
+
+
+def _a_time(value) -> bool:
+    """A time on a node's clock that can be placed: within the bound that ingest holds
+    spans' times to; one near int64's limits wrapped around when placed."""
+    return type(value) is int and abs(value) <= MAX_ABS_TIMESTAMP_NS
 
 
 def aligned_attributes(t, al, row: int) -> dict:
@@ -60,7 +67,7 @@ def _well_formed(key: str, entry: list) -> bool:
     if not (entry[2] is None or isinstance(entry[2], dict)):
         return False
     if key == "events":
-        return type(entry[1]) is int and abs(entry[1]) < 1 << 62
+        return _a_time(entry[1])
     try:
         return len(bytes.fromhex(entry[0])) == 16 and len(bytes.fromhex(entry[1])) == 8
     except (TypeError, ValueError):
