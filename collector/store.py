@@ -360,8 +360,12 @@ class Store:
             if theirs is None:
                 db.execute("INSERT INTO node_clocks VALUES (?, ?, ?)", (row, node_id, clock))
                 return row, name
-        name = node_id
-        for k in itertools.count(2):
+        # The next suffix after the node id's rows, looked up (one lookup, unless another node
+        # took that name): probing from #2 up cost one lookup per clock the node id had, on
+        # the store's one writer thread, and a client that named a new clock in every batch
+        # made every batch slower (17 ms a batch at 8,000 clocks).
+        name = node_id if not rows else f"{node_id}#{len(rows) + 1}"
+        for k in itertools.count(len(rows) + 2):
             if not db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (name,)).fetchone():
                 break
             name = f"{node_id}#{k}"

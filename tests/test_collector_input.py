@@ -370,6 +370,26 @@ def test_a_node_id_on_another_clock_gets_a_row_of_its_own_for_good(tmp_path):
         assert store.reused_node_ids() == {"n"}                    # not "n#2", a node id of its own
 
 
+def test_a_node_ids_next_clock_costs_the_same_however_many_it_had(tmp_path):
+    """A row for a node id's next clock was found by trying #2, #3, ... one lookup each, on
+    the writer thread: a client naming a new clock in every batch slowed every batch."""
+    from crosstrace.collector.ingest import check
+
+    def on_clock(k):
+        b = pb.SpanBatch(session_id=np.random.bytes(16), seq=1, resource=pb.Resource(node_id="n"))
+        b.resource.labels["clock"] = f"monotonic:{k}"
+        return check(b)
+
+    with Store(str(tmp_path / "store.db")) as store:
+        store.write([on_clock(k) for k in range(60)])
+        statements = []
+        store.db.set_trace_callback(statements.append)
+        store.write([on_clock(60)])
+        store.db.set_trace_callback(None)
+        assert {r.node_id for r in store.nodes().values()} == {"n", *(f"n#{k}" for k in range(2, 62))}
+        assert len([s for s in statements if "FROM nodes WHERE node_id" in s]) == 1
+
+
 def test_samples_naming_a_node_id_on_two_clocks_name_the_right_row(tmp_path):
     """Once a node id has come back on another clock ("srv#2"), a sample that names it as
     its peer goes through the row of the clock it says it met (a relay's exchanges carry
