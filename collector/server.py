@@ -29,6 +29,9 @@ from .udp_clock import UdpClockResponder
 
 log = logging.getLogger("crosstrace.collector")
 
+# Streams served at once on one client connection: an OpenTelemetry Collector's OTLP exporter
+# sends on 10 at most by default, a tracer on two (its export stream and clock probes).
+STREAMS_PER_CONNECTION = 32
 
 
 class Writer:
@@ -299,7 +302,13 @@ class Collector:
                      ("grpc.so_reuseport", 0),
                      # Tracers ping every 10 s to find links that died silently (tracer/exporter.py).
                      ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-                     ("grpc.keepalive_permit_without_calls", 1)],
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     # And the collector pings its clients: a peer that froze or vanished held
+                     # its streams' slots among --max-streams for gRPC's default of two hours.
+                     ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                     # One connection's streams beyond this wait at their client, rather than
+                     # take every slot of --max-streams (a tracer holds one stream).
+                     ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION)],
             maximum_concurrent_rpcs=max_streams,
         )
         try:

@@ -337,6 +337,35 @@ def test_a_full_collector_tells_clients_to_retry(tmp_path):
                 call.cancel()
 
 
+def test_one_connection_cannot_take_every_stream(tmp_path):
+    """One client connection opening more idle streams than --max-streams took every slot,
+    and every other client was refused for as long as it stayed connected. Its streams
+    beyond STREAMS_PER_CONNECTION now wait at that client."""
+    import threading
+
+    from crosstrace.collector.server import STREAMS_PER_CONNECTION
+    from crosstrace.launch import CollectorProcess
+
+    done = threading.Event()
+    probe = pb.ClockProbe(t1=1).SerializeToString()
+    with CollectorProcess(str(tmp_path / "s.db"), extra_args=("--max-streams", str(STREAMS_PER_CONNECTION + 4))) \
+            as collector, grpc.insecure_channel(collector.address) as greedy, \
+            grpc.insecure_channel(collector.address, options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+        # (`other` is another client's connection: channels in one process share one by default)
+        streams = [greedy.stream_stream(EXPORT, request_serializer=None, response_deserializer=pb.ExportAck.FromString)(
+            idle_requests(done)) for _ in range(STREAMS_PER_CONNECTION + 4)]
+        try:
+            time.sleep(2)   # all of them opened, as far as the connection lets them
+            exchange = other.unary_unary("/crosstrace.v1.Collector/ExchangeClock", request_serializer=None,
+                                         response_deserializer=pb.ClockProbeReply.FromString)
+            assert exchange(probe, timeout=10).t1 == 1
+            assert not any(call.done() for call in streams)   # none refused: they wait
+        finally:
+            done.set()
+            for call in streams:
+                call.cancel()
+
+
 def idle_requests(done):
     """A request iterator that sends nothing until `done` is set (an idle stream; 60 s at most)."""
     done.wait(60)
