@@ -294,6 +294,37 @@ def test_bytes_in_flight_are_bounded():
     assert entered.is_set() and bound.used == 0
 
 
+def test_bytes_waiting_for_room_are_bounded():
+    """Batches waiting for room are held as they came: 24 streams of 40 MB batches held 1.8
+    GB. Beyond waiting_bytes a batch is told to retry at once; alone it always waits."""
+    import threading
+
+    from crosstrace.collector.server import InFlight, StoreUnavailable
+
+    bound = InFlight(64 << 20, wait_s=10, waiting_bytes=100 << 20)
+    waiters = []
+
+    def wait_for_room():
+        with bound.hold(40 << 20):
+            pass
+
+    with bound.hold(64 << 20):
+        for _ in range(2):
+            waiters.append(threading.Thread(target=wait_for_room))
+            waiters[-1].start()
+        assert wait_until(lambda: bound.waiting == 80 << 20, 5)
+        with pytest.raises(StoreUnavailable, match="80 MB of batches waiting"):
+            with bound.hold(40 << 20):
+                pass
+    for thread in waiters:
+        thread.join(10)
+    assert bound.used == bound.waiting == 0
+    with bound.hold(64 << 20), pytest.raises(StoreUnavailable, match="busy"):
+        bound.wait_s = 0.1
+        with bound.hold(200 << 20):   # alone among the waiting, a batch over the bound waits
+            pass
+
+
 def test_a_full_collector_tells_clients_to_retry(tmp_path):
     """--max-streams bounds the calls served at once (each tracer holds a stream); one more
     gets RESOURCE_EXHAUSTED, which the tracer retries, and is served once a stream ends."""
