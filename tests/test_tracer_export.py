@@ -744,6 +744,45 @@ def test_a_workers_sigterm_hands_over_even_while_it_is_stuck_in_c(collector):
     assert "default" in names
 
 
+def test_a_worker_whose_asyncio_loop_took_the_wakeup_fd_still_ends_on_sigterm(collector):
+    """asyncio's loop.add_signal_handler (for any signal) takes the wakeup fd that the
+    tracer's SIGTERM watcher reads, and closing the loop clears it: the worker ignored
+    SIGTERM, and Process.terminate() and Pool waited for ever. Its spans still go over."""
+    out = run_python("""
+        import asyncio, multiprocessing as mp, os, signal, time, crosstrace
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        async def serve(name, said, close):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: None)   # a reload signal
+            with tracer.start_as_current_span(name):
+                pass
+            if not close:
+                os.write(said, b"x")
+                await asyncio.sleep(60)
+        def worker(name, said, close):
+            asyncio.run(serve(name, said, close))   # closing the loop clears the wakeup fd
+            os.write(said, b"x")
+            time.sleep(60)
+        exits = []
+        for name, close in (("serving", False), ("closed", True)):
+            ready, said = os.pipe()
+            child = mp.get_context("fork").Process(target=worker, args=(name, said, close))
+            child.start()
+            os.read(ready, 1)
+            child.terminate()
+            child.join(15)
+            exits.append(child.exitcode)
+            if child.exitcode is None:
+                child.kill()
+                child.join(5)
+        print(*exits, p.force_flush(20000))
+    """, env=tracer_env(collector, "asyncio-workers"), timeout=90)
+    assert out.stdout.split() == ["-15", "-15", "True"], out.stdout + out.stderr
+    with Store(collector.store, readonly=True) as store:
+        table = spantable.load(store)
+    assert sorted(table.names[n] for n in table.name) == ["closed", "serving"]
+
+
 def test_a_forked_child_that_records_nothing_sends_nothing(collector):
     """gRPC cannot fully hand a forked child a process whose export stream was open (children
     of DDP ranks aborted in its poller): a child (a DataLoader worker) touches gRPC only

@@ -10,7 +10,10 @@ pipe, and a thread of crosstrace's, woken by it whatever the main thread is doin
 the tracers down and then ends the process by SIGTERM, as it would have ended.
 
 Only where SIGTERM has its default action and no wakeup fd is set (asyncio's): a
-program's own handler, set before or after, keeps SIGTERM for itself.
+program's own handler, set before or after, keeps SIGTERM for itself. A program that
+takes the wakeup fd later (asyncio's loop.add_signal_handler, for any signal; closing that
+loop clears it) leaves the Python handler alone to hear of SIGTERM, so it acts too, once
+between the two: otherwise the child ignored SIGTERM, and Pool.terminate() waited for ever.
 """
 import ctypes
 import os
@@ -18,16 +21,30 @@ import signal
 import threading
 
 _installed: tuple[int, int] | None = None   # this process's wakeup pipe (read end, write end)
+_shut_down = None                            # what ends the tracers, given to install()
+_ending = threading.Lock()                   # taken by whichever of the two acts on SIGTERM
 
 
 def _noted(signum, frame) -> None:
-    """SIGTERM's Python handler: the watching thread acts on it."""
+    """SIGTERM's Python handler, which runs once the main thread runs Python again: the
+    watching thread has acted on SIGTERM, unless the program took the wakeup fd since."""
+    threading.Thread(target=_end, name="crosstrace-sigterm", daemon=True).start()
+
+
+def _end() -> None:
+    """Shut the tracers down and end the process by SIGTERM, once."""
+    if not _ending.acquire(blocking=False):
+        return
+    try:
+        _shut_down()
+    finally:
+        _terminate()
 
 
 def install(shut_down) -> None:
     """In a multiprocessing child, on its main thread: SIGTERM calls `shut_down()` (bounded
     by itself) on a thread of its own, then ends the process by SIGTERM."""
-    global _installed
+    global _installed, _shut_down
     if _installed is not None or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
     read, write = os.pipe()
@@ -42,12 +59,13 @@ def install(shut_down) -> None:
         os.close(read)
         os.close(write)
         return
+    _shut_down = shut_down
     signal.signal(signal.SIGTERM, _noted)
     _installed = read, write
-    threading.Thread(target=_watch, args=(read, shut_down), name="crosstrace-sigterm", daemon=True).start()
+    threading.Thread(target=_watch, args=(read,), name="crosstrace-sigterm", daemon=True).start()
 
 
-def _watch(read: int, shut_down) -> None:
+def _watch(read: int) -> None:
     while True:
         try:
             received = os.read(read, 64)
@@ -56,10 +74,7 @@ def _watch(read: int, shut_down) -> None:
         if not received:
             return
         if signal.SIGTERM in received and signal.getsignal(signal.SIGTERM) is _noted:   # not taken over since
-            try:
-                shut_down()
-            finally:
-                _terminate()
+            _end()
 
 
 def _terminate() -> None:
@@ -73,9 +88,10 @@ def forget_after_fork() -> None:
     """In any forked child: the parent's pipe and SIGTERM handler go (its thread did not
     come along, and SIGTERM would be noted and ignored); a multiprocessing child installs
     its own."""
-    global _installed
+    global _installed, _ending
     if _installed is None:
         return
+    _ending = threading.Lock()   # (the parent may have been ending when it forked)
     read, write = _installed
     _installed = None
     previous = signal.set_wakeup_fd(-1)
