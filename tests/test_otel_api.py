@@ -471,6 +471,14 @@ def test_values_are_recorded_as_they_were_at_the_call(provider, collector):
     span.set_attribute("config", config)
     span.set_attributes({"nested": [[1], (2, [3])]})
     span.add_link(other, later)
+    # Objects JSON has no type for travel as text: the text they had at the call, not what
+    # the program made of them before the export (a running loss in a numpy array, a buffer).
+    import numpy as np
+    running, buffer = np.array([1.0, 2.0]), bytearray(b"\x01")
+    span.set_attribute("running", running)
+    span.add_event("read", {"buffer": buffer})
+    running *= 100
+    buffer[0] = 2
     losses.append(0.4)
     config["layers"].append(3), config["opt"]["lr"].append(0.2)
     config["new"] = 1
@@ -479,8 +487,10 @@ def test_values_are_recorded_as_they_were_at_the_call(provider, collector):
     assert provider.force_flush(10_000)
     t = load_table(collector.store)
     row = by_name(t)["step"]
-    assert t.attributes[row] == {"config": {"layers": [1, 2], "opt": {"lr": [0.1]}}, "nested": [[1], [2, [3]]]}
+    assert t.attributes[row] == {"config": {"layers": [1, 2], "opt": {"lr": [0.1]}}, "nested": [[1], [2, [3]]],
+                                 "running": "[1. 2.]"}
     assert t.extras[row]["events"][0][2] == {"losses": [0.5]}
+    assert t.extras[row]["events"][1][2] == {"buffer": "01"}
     assert [link[2] for link in t.extras[row]["links"]] == [{"why": "retry"}, {"n": [1]}]
 
 

@@ -14,6 +14,7 @@ import traceback
 from opentelemetry import trace as trace_api
 from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
+from ..proto.attributes_json import json_value
 from ..proto.semconv import OTEL_KINDS, Kind, Status
 
 log = logging.getLogger("crosstrace.tracer")
@@ -78,7 +79,7 @@ class Span:
     def set_attribute(self, key: str, value) -> None:
         if self.end_ns:
             return
-        if value.__class__ in _MUTABLE:   # kept as it is now: the caller may reuse it
+        if value.__class__ not in _AS_IS:   # kept as it is now: the caller may change it
             value = frozen(value)
         if self.attributes is None:
             self.attributes = {key: value}
@@ -225,32 +226,40 @@ class SpanExtras:
 
 def own_attributes(attributes) -> dict:
     """A copy of `attributes` that the caller cannot change any more, since the values are
-    read when the span is exported: lists become tuples (as in OpenTelemetry's SDK), and
-    dicts are copied, with the lists and dicts in them."""
+    read when the span is exported: lists become tuples (as in OpenTelemetry's SDK), dicts
+    are copied, with the lists and dicts in them, and other objects are taken as text now."""
     attributes = dict(attributes)
-    if not _MUTABLE.isdisjoint(map(type, attributes.values())):
+    if not _AS_IS.issuperset(map(type, attributes.values())):
         for key, value in attributes.items():
-            if value.__class__ in _MUTABLE:
+            if value.__class__ not in _AS_IS:
                 attributes[key] = frozen(value)
     return attributes
 
 
-_MUTABLE = frozenset((list, dict))   # the values frozen() copies
+_AS_IS = frozenset((str, int, float, bool, type(None), bytes, tuple))   # values frozen() need not see
 
 
 def frozen(value):
     """An attribute value as it is now, for good: a list as a tuple (at C speed: the values
     OpenTelemetry allows in one are plain), a dict copied all the way down (a dict inside
-    itself one level only: its span alone then fails to encode, nothing is raised here)."""
+    itself one level only: its span alone then fails to encode, nothing is raised here),
+    another immutable value as it is, and any other object (a numpy array, a tensor, a
+    bytearray) as the text it will be exported as: taken at export, it was the object's
+    text then, after the program had changed it, and its __str__ ran on the exporter's thread."""
     kind = value.__class__
     if kind is list:
         return tuple(value)
     if kind is dict:
         try:
-            return {key: frozen(item) if item.__class__ in _MUTABLE else item for key, item in value.items()}
+            return {key: frozen(item) if item.__class__ not in _AS_IS else item for key, item in value.items()}
         except RecursionError:
             return dict(value)
-    return value
+    if isinstance(value, (str, int, float, bytes, tuple)):   # subclasses (an IntEnum) are exported as they are
+        return value
+    try:
+        return json_value(value)
+    except Exception as exc:   # its __str__ raised: the span is kept, with what went wrong
+        return f"<{kind.__qualname__}: str() raised {exc!r}>"
 
 
 def recordable(link) -> bool:
