@@ -494,6 +494,34 @@ def test_values_are_recorded_as_they_were_at_the_call(provider, collector):
     assert [link[2] for link in t.extras[row]["links"]] == [{"why": "retry"}, {"n": [1]}]
 
 
+def test_two_threads_annotating_one_span_lose_nothing(provider):
+    """A span's status, events and links live in one object made on first use: two threads
+    each made one at once, and one's status or event was lost (863-1,100 of 30,000 spans here)."""
+    import threading
+
+    tracer = provider.get_tracer("test")
+    spans = [tracer.start_span("shared") for _ in range(30_000)]
+    start = threading.Barrier(2)
+
+    def annotate(one):
+        start.wait()
+        for span in spans:
+            one(span)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # threads take turns often, as on a busy machine
+    try:
+        threads = [threading.Thread(target=annotate, args=(one,)) for one in (
+            lambda span: span.set_status(trace.StatusCode.ERROR, "failed"), lambda span: span.add_event("retry"))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.setswitchinterval(switch)
+    assert sum(span.status != Status.ERROR or len(span.extras.events) != 1 for span in spans) == 0
+
+
 def test_off_type_kinds_and_statuses_are_taken_or_ignored_never_raised(provider, collector):
     tracer = provider.get_tracer("test")
     tracer.start_span("no kind", kind=None).end()

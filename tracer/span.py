@@ -9,6 +9,7 @@ span itself, which dies at end() unless its caller keeps it.
 """
 import collections
 import logging
+import threading
 import traceback
 
 from opentelemetry import trace as trace_api
@@ -24,6 +25,7 @@ log = logging.getLogger("crosstrace.tracer")
 MAX_EVENTS = MAX_LINKS = 128
 
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+_EXTRAS_MADE = threading.Lock()   # see Span._extras
 _DEFAULT_TRACE_STATE = trace_api.DEFAULT_TRACE_STATE
 
 OTEL_KIND = {trace_api.SpanKind.INTERNAL: Kind.INTERNAL,
@@ -68,9 +70,15 @@ class Span:
         return self.extras.status if self.extras is not None else 0
 
     def _extras(self) -> "SpanExtras":
-        if self.extras is None:
-            self.extras = SpanExtras()
-        return self.extras
+        """Made on first use, under a lock: two threads annotating one span at once (a status
+        and an event) each made one, and one's was lost. Spans without extras never lock."""
+        extras = self.extras
+        if extras is None:
+            with _EXTRAS_MADE:
+                if self.extras is None:
+                    self.extras = SpanExtras()
+                extras = self.extras
+        return extras
 
     def get_span_context(self) -> trace_api.SpanContext:
         return trace_api.SpanContext(self.trace_id, self.span_id, False, _SAMPLED,
