@@ -653,6 +653,24 @@ def test_a_process_that_exits_with_spans_unsent_says_so():
         assert "exiting with 10 spans the collector at 127.0.0.1:9 has not acknowledged: lost" in out.stderr
 
 
+def test_a_process_that_traced_nothing_exits_without_waiting_for_the_collector():
+    """A program that imports a traced module and traces nothing (its --help, say), its
+    collector out of reach, waited at exit for its clock samples to be acked (4.5 s by
+    default); one with spans to deliver still waits, and says what it lost."""
+    for spans, waits in ((0, False), (1, True)):
+        out = run_python(f"""
+            import time, crosstrace
+            p = crosstrace.init(endpoint="127.0.0.1:9", exit_flush_timeout_s=8)
+            for i in range({spans}):
+                p.get_tracer("t").start_span("step").end()
+            started = time.monotonic()
+            p.shutdown()   # as at exit
+            print(round(time.monotonic() - started, 1))
+        """)
+        assert (float(out.stdout) > 5) is waits, (spans, out.stdout, out.stderr)
+        assert ("has not acknowledged: lost" in out.stderr) is waits
+
+
 def test_spans_ended_on_other_threads_arrive(collector):
     import threading
 

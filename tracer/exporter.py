@@ -169,6 +169,7 @@ class Exporter:
         self.resource = build_resource(cfg, clock)
         self.session_id = os.urandom(16)
         self.dropped = 0                    # spans given up after they were batched
+        self.batched = 0                    # spans put in a batch (or forwarded), ever
         self.rejected: collections.Counter = collections.Counter()
         self._seq = 0
         self._order = 0
@@ -257,6 +258,8 @@ class Exporter:
             timeout_s = max(0.0, deadline - time.monotonic())
         if self._children is not None:
             self._children.stop_taking()   # children that look from now on send themselves
+        if self.recorded_nothing():   # its clock samples say nothing without spans: not worth a wait
+            timeout_s, deadline = 0.0, time.monotonic()
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         # The flush leaves the thread time to batch what it holds (it may be waiting for acks
         # of a collector that hangs): without it, the spill below missed those spans.
@@ -358,6 +361,12 @@ class Exporter:
             spooled = 0
         return spooled, batched - spooled + len(self.queue.queue) // FIELDS
 
+    def recorded_nothing(self) -> bool:
+        """No span, nor a count of dropped ones, was ever batched here or waits to be: a
+        process that imported a traced module and traced nothing (its --help, say), whose
+        exit waited 4.5 s for a collector out of reach."""
+        return not self.batched and self.unacked_spans() == (0, 0) and not self.queue.dropped and not self.dropped
+
     def takes_handovers(self) -> bool:
         """Whether forked children hand their batches over to this process."""
         return self._children is not None and self._children.dir is not None
@@ -415,6 +424,7 @@ class Exporter:
                                 "memory only, and is dropped and counted if upstream is away")
         with self._lock:
             self._order += 1
+            self.batched += batch.count
             entry = _Pending(key, batch.seq, self._order, batch.count, data, spooled)
             self._unacked[key] = entry
             self._memory_bytes += entry.size
@@ -626,6 +636,7 @@ class Exporter:
                 return
             self._seq += 1
             self._order += 1
+            self.batched += n_spans
             batch.seq = self._seq
             entry = _Pending((self.session_id, self._seq), self._seq, self._order, n_spans,
                              batch.SerializeToString())
