@@ -539,6 +539,38 @@ def test_off_type_kinds_and_statuses_are_taken_or_ignored_never_raised(provider,
         Status.UNSET] * 2
 
 
+def test_inputs_the_sdk_takes_are_taken_never_raised_nor_dropped(provider, collector):
+    """Each of these raised into the caller (a None among links, a context manager left
+    twice or never entered), or had its span dropped at export (a name not given as text),
+    or its event left out of every export (a float timestamp, as time.time() * 1e9 gives)."""
+    import time
+    import weakref
+
+    tracer = provider.get_tracer("test")
+    good = trace.Link(trace.SpanContext(0xABC, 0xDEF, True, trace.TraceFlags(1)))
+    tracer.start_span("links", links=[None, good]).end()
+    with tracer.start_as_current_span("current links", links=[None]):
+        pass
+    twice = tracer.start_as_current_span("left twice")
+    twice.__enter__()
+    twice.__exit__(None, None, None)
+    twice.__exit__(None, None, None)
+    tracer.start_as_current_span("never entered").__exit__(None, None, None)
+    tracer.start_span(123).end()
+    span = tracer.start_span("float time")
+    assert weakref.ref(span)() is span
+    span.add_event("checkpoint", timestamp=time.time() * 1e9)
+    span.end()
+    assert trace.get_current_span() is trace.INVALID_SPAN
+    assert provider.force_flush(10_000) and provider.dropped_spans == 0
+    t = load_table(collector.store)
+    rows = by_name(t)
+    assert sorted(rows) == ["123", "current links", "float time", "left twice", "links"]
+    assert len(t.extras[rows["links"]]["links"]) == 1
+    (name, when, _), = t.extras[rows["float time"]]["events"]
+    assert name == "checkpoint" and type(when) is int   # exports leave out an event whose time is not
+
+
 def test_explicit_times_keep_their_differences_exactly(provider, collector):
     """Times given by the caller (Unix ns, as OpenTelemetry takes them) land on the node's
     clock with their differences kept to the nanosecond: a span's duration, an event's place."""

@@ -67,6 +67,10 @@ class Clock:
         differences exactly (a pair of clock readings per time was off by about 1 us),
         and a step of the wall clock is taken in within a second."""
         t = _monotonic_ns()
+        try:   # int: a float (time.time() * 1e9) was kept, and its event then left out of every export
+            epoch_ns = int(epoch_ns)
+        except (TypeError, ValueError, OverflowError):   # not a time: now, as where none is given
+            return self.at(t)
         if self._wall_read_at is None or t - self._wall_read_at > 1_000_000_000:
             self._wall_to_monotonic = t - time.time_ns()
             self._wall_read_at = t

@@ -84,10 +84,16 @@ def encode_spans(batch: "pb.SpanBatch", columns: list[list]) -> None:
     batch.thread = _column(_U64, threads, n)
     try:
         batch.strings.extend(strings)
-    except UnicodeEncodeError:   # a lone surrogate in a name: protobuf takes UTF-8 only
-        batch.strings.extend(name.encode("utf-8", "replace").decode() for name in strings)
+    except (UnicodeEncodeError, TypeError):   # a lone surrogate in a name (protobuf takes UTF-8 only), or a
+        batch.strings.extend(_text(name) for name in strings)   # name not given as text (start_span(123))
     batch.attributes_json = dumps(attributes)
     batch.status, batch.extras_json = _sparse(extras)
+
+
+def _text(name) -> str:
+    """A span's name as UTF-8 text: the SDK takes any object as a name, and so its spans
+    were dropped here."""
+    return (name if type(name) is str else str(name)).encode("utf-8", "replace").decode()
 
 
 def encoded_size(batch: "pb.SpanBatch") -> int:

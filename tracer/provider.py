@@ -277,8 +277,11 @@ class ScopedSpan(Span):
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             _detach(self._token)
-        except (ValueError, RuntimeError) as err:   # left in another context: see detach_quietly
-            log.debug("crosstrace: could not leave a span's context: %s", err)
+        except (ValueError, RuntimeError, TypeError) as err:   # left in another context (see
+            log.debug("crosstrace: could not leave a span's context: %s", err)   # detach_quietly), or twice
+        except AttributeError:   # never entered: nothing to leave or end
+            log.debug("crosstrace: span %r was left without being entered", self.name)
+            return
         self._token = None
         if self.end_ns:
             return

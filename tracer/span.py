@@ -44,7 +44,7 @@ class Span:
     """
 
     __slots__ = ("trace_id", "span_id", "parent_id", "name", "kind", "start", "end_ns", "thread",
-                 "attributes", "extras", "_sink")
+                 "attributes", "extras", "_sink", "__weakref__")   # (weakly referenced, as the SDK's spans can be)
 
     def end(self, end_time: int | None = None) -> None:
         if self.end_ns:   # logged, as OpenTelemetry's SDK does: a warning could raise into the caller
@@ -277,6 +277,7 @@ def recordable(link) -> bool:
 
 
 def own_links(links) -> list:
-    """The links to record of those given at a span's start, their attributes copied."""
+    """The links to record of those given at a span's start, their attributes copied (None
+    among them skipped, as OpenTelemetry's SDK skips it)."""
     return [trace_api.Link(link.context, own_attributes(link.attributes)) if link.attributes else link
-            for link in links if recordable(link)]
+            for link in links if link is not None and recordable(link)]
