@@ -1,7 +1,14 @@
 """The wire contract between tracers and the collector: generated messages and
 the attribute names both sides agree on (`semconv`)."""
-from .crosstrace.v1 import crosstrace_pb2 as pb
-from .crosstrace.v1 import crosstrace_pb2_grpc as pb_grpc
+import os
+
+# gRPC's C core logs at INFO unless told otherwise: a traced program printed a line at every
+# fork (a DataLoader worker's, "skipping fork() handlers"), and a TLS mismatch a raw log line
+# where crosstrace says what to do. Only where the program has not chosen, before gRPC starts.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from .crosstrace.v1 import crosstrace_pb2 as pb  # noqa: E402 (after the setting above)
+from .crosstrace.v1 import crosstrace_pb2_grpc as pb_grpc  # noqa: E402
 
 SERVICE = "crosstrace.v1.Collector"
 EXPORT_METHOD = f"/{SERVICE}/Export"

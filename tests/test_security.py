@@ -150,6 +150,16 @@ def test_refused_tracers_store_nothing_and_say_why(tmp_path, pki, case):
     assert expected in out.stderr, out.stderr
 
 
+def test_a_tls_tracer_told_of_a_plaintext_collector(tmp_path):
+    """TLS to a plaintext collector printed gRPC's raw log lines, and no hint; plaintext to a
+    TLS collector had one (above)."""
+    with CollectorProcess(str(tmp_path / "store.db")) as collector:
+        out = run_python(CLIENT, tracer_env(collector, "tls-to-plain", tls="true"), timeout=60, args=("2000",))
+        assert out.stdout.strip() == "flushed False"
+    assert "a TLS handshake failed: if the collector serves plaintext" in out.stderr, out.stderr
+    assert "ssl_transport_security" not in out.stderr   # gRPC's own INFO lines
+
+
 def test_mutual_tls_requires_a_client_certificate(tmp_path, pki):
     with tls_collector(tmp_path, pki, "--tls-client-ca", pki["ca"]) as collector:
         ca = open(pki["ca"], "rb").read()

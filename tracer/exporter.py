@@ -840,6 +840,9 @@ class Exporter:
                 hint = ""
                 if "Socket closed" in details and not self.cfg.uses_tls and not self._ever_acked:
                     hint = " (the collector closed a plaintext connection: if it serves TLS, set CROSSTRACE_TLS_CA)"
+                elif "handshake failed" in details.lower() and self.cfg.uses_tls and not self._ever_acked:
+                    hint = (" (a TLS handshake failed: if the collector serves plaintext, give the endpoint as "
+                            "HOST:PORT or http://, without CROSSTRACE_TLS)")
                 if self._outage_since is None:   # said once an outage, and when it is over (above)
                     self._outage_since = time.monotonic()
                     log.warning("crosstrace: export stream to %s failed (%s: %s)%s; will retry", self.cfg.endpoint,
