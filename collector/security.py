@@ -48,7 +48,8 @@ def load_tokens(path: str) -> dict[str, bytes]:
             raise SecurityConfigError(f"{path}:{number}: expected `NAME TOKEN` or `TOKEN`")
         name, token = (fields[0], fields[1]) if len(fields) == 2 else (f"line{number}", fields[0])
         if len(token) < 16:
-            raise SecurityConfigError(f"{path}:{number}: token of {name!r} is shorter than 16 characters")
+            whose = f"of {name!r} " if len(fields) == 2 else ""   # (a bare token's name is made up here)
+            raise SecurityConfigError(f"{path}:{number}: the token {whose}is shorter than 16 characters")
         if name in tokens:
             raise SecurityConfigError(f"{path}:{number}: client {name!r} is listed twice")
         tokens[name] = token.encode()

@@ -13,6 +13,21 @@ def from_url(endpoint: str) -> tuple[str, bool]:
     return endpoint.strip(), False
 
 
+GRPC_TARGETS = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")   # gRPC's own forms, taken as they are
+
+
+def target_of(endpoint: str) -> tuple[str, bool]:
+    """(gRPC target, whether TLS is asked) of an endpoint as a user writes it: host:port,
+    http(s)://host:port or one of gRPC's own target forms; ValueError for anything else."""
+    target, tls = from_url(endpoint)
+    if target.startswith(GRPC_TARGETS):
+        return target, tls
+    split_host_port(target)
+    if "://" in target.replace("dns:///", ""):
+        raise ValueError("a URL scheme other than http or https")
+    return target, tls
+
+
 def split_host_port(endpoint: str) -> tuple[str, int]:
     """"host:port", "[v6]:port" or a gRPC target "dns:///host:port" as (host, port)."""
     target = endpoint.split("///", 1)[-1]

@@ -391,13 +391,16 @@ def test_report_limit_must_be_positive(tmp_path):
     assert result.returncode == 2 and "argument --limit: must be 1 or more, got -1" in result.stderr
 
 
-@pytest.mark.parametrize("command,value", [("report", "1e400s"), ("clocks", "5x"), ("collector", "300000d")])
-def test_durations_are_checked_where_they_are_given(tmp_path, command, value):
+@pytest.mark.parametrize("command,value,message", [
+    ("report", "1e400s", "is not a duration like 90s"), ("clocks", "5x", "is not a duration like 90s"),
+    ("collector", "300000d", "must be more than 0 and at most 100 years"),
+    ("export", "0s", "must be more than 0")])   # it was "not a duration", which 0s is
+def test_durations_are_checked_where_they_are_given(tmp_path, command, value, message):
     """An infinite --last raised OverflowError, and a --retain of 800 centuries passed the
     parser and stopped the collector at its first tick (beyond SQLite's integers)."""
     option = "--retain" if command == "collector" else "--last"
     result = crosstrace(command, "--store", str(tmp_path / "s.db"), option, value)
-    assert result.returncode == 2 and f"{value!r} is not a duration like 90s" in result.stderr
+    assert result.returncode == 2 and f"{value!r} {message}" in result.stderr, result.stderr
 
 
 def test_report_of_many_nodes_lists_the_ones_to_look_at(collector):
@@ -504,6 +507,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_analysis(rpc_stor
     assert one_line_error(result, "--otlp-header goes with --otlp") and not (tmp_path / "s.jsonl").exists()
     result = crosstrace("export", "--jsonl", str(tmp_path / "s.jsonl"), "--otlp-ca", "ca.pem", "--store", rpc_store)
     assert one_line_error(result, "--otlp-ca goes with --otlp") and not (tmp_path / "s.jsonl").exists()
+    result = crosstrace("export", "--otlp", "nohost", "--store", rpc_store)   # refused before the analysis
+    assert one_line_error(result, "--otlp nohost: expected HOST:PORT") and "loading spans" not in result.stderr
 
 
 def test_a_demo_leaves_a_store_that_a_collector_is_writing_alone(three_traces):

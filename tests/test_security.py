@@ -189,12 +189,15 @@ def test_listening_beyond_loopback_unprotected_warns(tmp_path, pki):
 def test_bad_security_options_are_clear_errors(tmp_path, pki):
     short = tmp_path / "short-tokens"
     short.write_text("edge abc\n")
+    bare = tmp_path / "bare-short-token"   # a bare token: no client name made up in the message
+    bare.write_text("garbage\n")
     key = serialization.load_pem_private_key(open(pki["server_key"], "rb").read(), None)
     encrypted = tmp_path / "encrypted.key"
     encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                             serialization.BestAvailableEncryption(b"secret")))
     encrypted = str(encrypted)
-    cases = [(["--tokens", str(short)], "shorter than 16 characters"),
+    cases = [(["--tokens", str(short)], "the token of 'edge' is shorter than 16 characters"),
+             (["--tokens", str(bare)], f"{bare}:1: the token is shorter than 16 characters"),
              (["--tokens", str(tmp_path / "absent")], "cannot read the tokens file"),
              (["--tls-cert", pki["server_cert"]], "--tls-cert and --tls-key go together"),
              (["--tls-cert", pki["server_cert"], "--tls-key", str(tmp_path / "absent.key")], "cannot read the TLS key"),

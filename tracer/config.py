@@ -15,7 +15,7 @@ import warnings
 
 import opentelemetry.trace
 
-from ..proto.endpoint import from_url, split_host_port
+from ..proto.endpoint import target_of
 
 ENV_PREFIX = "CROSSTRACE_"
 
@@ -104,14 +104,8 @@ class Config:
 def _check_endpoint(cfg: Config) -> None:
     """host:port, taken also in OpenTelemetry's URL form (https:// then asks for TLS): a
     URL failed only once the exporter connected, and a malformed endpoint is reported now."""
-    endpoint, tls = from_url(cfg.endpoint)
-    if endpoint.startswith(_GRPC_TARGETS):   # gRPC's own target forms, taken as they are
-        cfg.endpoint = endpoint
-        return
     try:
-        split_host_port(endpoint)
-        if "://" in endpoint.replace("dns:///", ""):
-            raise ValueError("a URL scheme other than http or https")
+        endpoint, tls = target_of(cfg.endpoint)
     except ValueError as exc:
         default = _FIELDS["endpoint"].default
         _warn(f"crosstrace: ignoring endpoint {cfg.endpoint!r} ({exc}); using {default}")
@@ -181,7 +175,6 @@ _MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unack
             "ptp_interval_s": 0.01, "exit_flush_timeout_s": 0, "spool_max_mb": 1, "rpc_clock_interval_ms": 0}
 
 
-_GRPC_TARGETS = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
 
 

@@ -46,7 +46,8 @@ def register(sub) -> None:
     sec.add_argument("--tls-client-ca", metavar="PEM",
                      help="mutual TLS: clients must present a certificate signed by this CA")
     sec.add_argument("--tokens", metavar="FILE",
-                     help="require a bearer token on every call: one client per line, `NAME TOKEN`")
+                     help="require a bearer token on every call: one client per line, `NAME TOKEN` (or a bare "
+                          "`TOKEN`, named after its line), 16 characters or more; `#` begins a comment")
     relay = p.add_argument_group("relay")
     relay.add_argument("--forward-to", metavar="ENDPOINT", help="upstream collector (host:port): relay mode")
     relay.add_argument("--node-id", help="this relay's node id (default CROSSTRACE_NODE_ID, else <host>/relay)")

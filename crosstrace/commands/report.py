@@ -5,6 +5,7 @@ import sys
 
 from ..collector.durations import parse_ns
 from ..collector.wording import counted
+from ..proto.endpoint import target_of
 
 
 def progress(message: str) -> None:
@@ -103,6 +104,11 @@ def run_export(args) -> int:
     if (args.otlp_header or args.otlp_ca) and not args.otlp:
         raise ValueError(f"{'--otlp-header' if args.otlp_header else '--otlp-ca'} goes with --otlp ENDPOINT")
     headers = [_header(h) for h in args.otlp_header]
+    if args.otlp:   # before the store is read: a typo failed once the analysis was done
+        try:
+            target_of(args.otlp)
+        except ValueError as exc:
+            raise ValueError(f"--otlp {args.otlp}: {exc}") from None
     check_writable(args.jsonl, args.perfetto)
     store = report_mod.open_store(args.store, args.last)
     try:
@@ -131,9 +137,11 @@ def duration(text: str) -> int:
     """argparse type of a duration such as 90s, 15min, 2h or 7d (collector/durations.py), in
     ns, at most 100 years."""
     value = parse_ns(text)
-    if value is None or not 0 < value <= 100 * 365 * 86400e9:
+    if value is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 15min, 2h or 7d (ns, us, ms, s, "
-                                         "min, h or d; up to 100 years)")
+                                         "min, h or d)")
+    if not 0 < value <= 100 * 365 * 86400e9:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 and at most 100 years")
     return round(value)
 
 
