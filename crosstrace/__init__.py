@@ -1,5 +1,6 @@
 """crosstrace: distributed tracing for multi-node ML jobs and edge-to-cloud inference."""
 import os as _os
+import warnings as _warnings
 
 from opentelemetry import trace as _trace
 
@@ -23,7 +24,16 @@ __version__ = "0.1.0"
 def init(set_global: bool = True, **options) -> TracerProvider:
     """Start tracing this process: a TracerProvider configured by `options` (see
     crosstrace.tracer.config.Config) and the CROSSTRACE_* environment, registered as
-    OpenTelemetry's global provider unless `set_global=False`."""
+    OpenTelemetry's global provider unless `set_global=False`. Called again, it returns the
+    global one it made, and says so (OpenTelemetry keeps its first global provider)."""
+    if set_global:
+        current = _trace.get_tracer_provider()
+        if isinstance(current, TracerProvider):   # OpenTelemetry keeps the first: a second one ran beside it
+            given = ", ".join(f"{key}={value!r}" for key, value in options.items())
+            _warnings.warn("crosstrace: init() was called already; its tracer goes on"
+                           + (f", and these options are not taken: {given}" if given else ""), RuntimeWarning,
+                           stacklevel=2)
+            return current
     provider = TracerProvider(**options)
     if set_global:
         _trace.set_tracer_provider(provider)

@@ -446,6 +446,23 @@ def test_a_configuration_warning_points_at_the_callers_line():
     assert [w.filename for w in (*warned, *warned_too)] == [__file__, __file__]
 
 
+def test_init_called_again_returns_the_tracer_it_started_and_says_so():
+    """A second init() started a second tracer beside the first, which OpenTelemetry kept as
+    the global one, and only OpenTelemetry's own log line said anything."""
+    out = run_python("""
+        import warnings, crosstrace
+        from opentelemetry import trace
+        first = crosstrace.init(endpoint="127.0.0.1:9", exit_flush_timeout_s=0)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            again = crosstrace.init(job_id="b")
+        print(again is first is trace.get_tracer_provider(), *[str(w.message) for w in said], sep="|")
+    """)
+    assert out.stdout.strip() == ("True|crosstrace: init() was called already; its tracer goes on, and these "
+                                  "options are not taken: job_id='b'"), out.stdout
+    assert "Overriding of current TracerProvider" not in out.stderr
+
+
 def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector):
     tracer = provider.get_tracer("test")
     other = trace.SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=trace.TraceFlags(1))
