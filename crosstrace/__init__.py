@@ -28,7 +28,8 @@ def init(set_global: bool = True, **options) -> TracerProvider:
     global one it made, and says so (OpenTelemetry keeps its first global provider)."""
     if set_global:
         current = _trace.get_tracer_provider()
-        if isinstance(current, TracerProvider):   # OpenTelemetry keeps the first: a second one ran beside it
+        if isinstance(current, TracerProvider) and not current._shutdown:   # OpenTelemetry keeps the
+            # first global provider: a second one ran beside it
             given = ", ".join(f"{key}={value!r}" for key, value in options.items())
             _warnings.warn("crosstrace: init() was called already; its tracer goes on"
                            + (f", and these options are not taken: {given}" if given else ""), RuntimeWarning,
