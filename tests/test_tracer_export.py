@@ -280,8 +280,9 @@ def test_deferred_work_runs_while_a_stream_of_spans_waits_for_acks(tmp_path):
 def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
     """Lone surrogates (which Python strings hold and UTF-8 does not) in a span name and an
     attribute failed the encoding of their whole batch: every span of it was lost, and
-    force_flush() said True with nothing dropped. They now travel as '?'. A value whose
-    str() raises is the one span dropped and counted, and force_flush() says False."""
+    force_flush() said True with nothing dropped. They now travel as '?'. A start attribute
+    whose str() raises is the one span dropped and counted, and force_flush() says False
+    (one set later is taken as text at once, and says what went wrong)."""
     out = run_python("""
         import crosstrace
         p = crosstrace.init(export_interval_ms=60000)
@@ -292,10 +293,11 @@ def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
                 raise RuntimeError("no text")
 
         for i in range(100):
-            with t.start_as_current_span("a\\ud800b" if i == 10 else "work", attributes={"i": i}) as span:
+            at_start = {"i": i, "object": Unprintable()} if i == 30 else {"i": i}
+            with t.start_as_current_span("a\\ud800b" if i == 10 else "work", attributes=at_start) as span:
                 if i == 20:
                     span.set_attribute("text", "x\\udfffy")
-                if i == 30:
+                if i == 40:
                     span.set_attribute("object", Unprintable())
         print(p.force_flush(20000), p.dropped_spans)
     """, env=tracer_env(collector, "odd"), timeout=60)
@@ -306,6 +308,8 @@ def test_a_span_no_encoding_takes_costs_that_span_alone(collector):
     assert len(table) == 99 and "a?b" in table.names
     assert sorted(a["i"] for a in table.attributes) == [i for i in range(100) if i != 30]
     assert [a["text"] for a in table.attributes if "text" in a] == ["x?y"]
+    assert [a["object"] for a in table.attributes if "object" in a] == [
+        "<Unprintable: str() raised RuntimeError('no text')>"]
 
 
 def test_forked_children_export_their_own_spans(collector):

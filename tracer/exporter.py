@@ -258,7 +258,8 @@ class Exporter:
             timeout_s = max(0.0, deadline - time.monotonic())
         if self._children is not None:
             self._children.stop_taking()   # children that look from now on send themselves
-        if self.recorded_nothing():   # its clock samples say nothing without spans: not worth a wait
+        nothing = self.recorded_nothing()
+        if nothing:   # its clock samples say nothing without spans: not worth a wait
             timeout_s, deadline = 0.0, time.monotonic()
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         # The flush leaves the thread time to batch what it holds (it may be waiting for acks
@@ -278,7 +279,7 @@ class Exporter:
                 flushed = False
                 log.warning("crosstrace: %d spans that forked children handed over as this process's tracer "
                             "shut down were lost", untaken)
-        return flushed
+        return flushed or nothing
 
     def _hand_over_and_stop(self, timeout_s: float) -> bool | None:
         """A forked child's shutdown: its last batches on disk for the parent, which sends
@@ -362,10 +363,11 @@ class Exporter:
         return spooled, batched - spooled + len(self.queue.queue) // FIELDS
 
     def recorded_nothing(self) -> bool:
-        """No span, nor a count of dropped ones, was ever batched here or waits to be: a
-        process that imported a traced module and traced nothing (its --help, say), whose
-        exit waited 4.5 s for a collector out of reach."""
-        return not self.batched and self.unacked_spans() == (0, 0) and not self.queue.dropped and not self.dropped
+        """No span, nor a count of dropped ones, was ever batched here or waits to be, and no
+        forked child hands any over: a process that imported a traced module and traced
+        nothing (its --help, say), whose exit waited 4.5 s for a collector out of reach."""
+        return (not self.batched and not self.takes_handovers() and self.unacked_spans() == (0, 0)
+                and not self.queue.dropped and not self.dropped)
 
     def takes_handovers(self) -> bool:
         """Whether forked children hand their batches over to this process."""
