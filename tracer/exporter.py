@@ -258,8 +258,8 @@ class Exporter:
             timeout_s = max(0.0, deadline - time.monotonic())
         if self._children is not None:
             self._children.stop_taking()   # children that look from now on send themselves
-        nothing = self.recorded_nothing()
-        if nothing:   # its clock samples say nothing without spans: not worth a wait
+        nothing = not self._ever_acked and self.recorded_nothing()
+        if nothing:   # a collector never reached, for clock samples alone: not worth a wait
             timeout_s, deadline = 0.0, time.monotonic()
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         # The flush leaves the thread time to batch what it holds (it may be waiting for acks
@@ -365,7 +365,9 @@ class Exporter:
     def recorded_nothing(self) -> bool:
         """No span, nor a count of dropped ones, was ever batched here or waits to be, and no
         forked child hands any over: a process that imported a traced module and traced
-        nothing (its --help, say), whose exit waited 4.5 s for a collector out of reach."""
+        nothing (its --help, say), whose exit waited 4.5 s for a collector out of reach. (Its
+        clock samples are still sent where the collector answers: a node's samples alone can
+        link others' clocks to UTC.)"""
         return (not self.batched and not self.takes_handovers() and self.unacked_spans() == (0, 0)
                 and not self.queue.dropped and not self.dropped)
 
