@@ -155,16 +155,19 @@ class InFlight:
 
     @contextlib.contextmanager
     def hold(self, size: int):
+        def fits() -> bool:
+            return not self.used or self.used + size <= self.limit
+
         with self._room:
-            if self.waiting and self.waiting + size > self.waiting_limit:
-                raise StoreUnavailable(f"the collector has {self.waiting >> 20} MB of batches waiting; retry")
-            self.waiting += size
-            try:
-                room = self._room.wait_for(lambda: not self.used or self.used + size <= self.limit, self.wait_s)
-            finally:
-                self.waiting -= size
-            if not room:
-                raise StoreUnavailable(f"the collector is busy with {self.used >> 20} MB of batches; retry")
+            if not fits():
+                if self.waiting and self.waiting + size > self.waiting_limit:
+                    raise StoreUnavailable(f"the collector has {self.waiting >> 20} MB of batches waiting; retry")
+                self.waiting += size
+                try:
+                    if not self._room.wait_for(fits, self.wait_s):
+                        raise StoreUnavailable(f"the collector is busy with {self.used >> 20} MB of batches; retry")
+                finally:
+                    self.waiting -= size
             self.used += size
         try:
             yield

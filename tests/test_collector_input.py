@@ -319,6 +319,19 @@ def test_bytes_waiting_for_room_are_bounded():
     for thread in waiters:
         thread.join(10)
     assert bound.used == bound.waiting == 0
+
+    def wait_with(size):
+        with bound.hold(size):
+            pass
+
+    with bound.hold(20 << 20):   # one that fits now goes in, however much waits
+        waiters = [threading.Thread(target=wait_with, args=(90 << 20,))]
+        waiters[0].start()
+        assert wait_until(lambda: bound.waiting == 90 << 20, 5)
+        with bound.hold(30 << 20):
+            assert bound.used == 50 << 20
+    waiters[0].join(10)
+    assert bound.used == bound.waiting == 0
     with bound.hold(64 << 20), pytest.raises(StoreUnavailable, match="busy"):
         bound.wait_s = 0.1
         with bound.hold(200 << 20):   # alone among the waiting, a batch over the bound waits
