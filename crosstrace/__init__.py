@@ -21,23 +21,26 @@ from .tracer.step import step, steps
 __version__ = "0.1.0"
 
 
+_made_global = None   # the global provider init() made (not one OTEL_PYTHON_TRACER_PROVIDER made)
+
+
 def init(set_global: bool = True, **options) -> TracerProvider:
     """Start tracing this process: a TracerProvider configured by `options` (see
     crosstrace.tracer.config.Config) and the CROSSTRACE_* environment, registered as
     OpenTelemetry's global provider unless `set_global=False`. Called again, it returns the
     global one it made, and says so (OpenTelemetry keeps its first global provider)."""
-    if set_global:
-        current = _trace.get_tracer_provider()
-        if isinstance(current, TracerProvider) and not current._shutdown:   # OpenTelemetry keeps the
-            # first global provider: a second one ran beside it
-            given = ", ".join(f"{key}={value!r}" for key, value in options.items())
-            _warnings.warn("crosstrace: init() was called already; its tracer goes on"
-                           + (f", and these options are not taken: {given}" if given else ""), RuntimeWarning,
-                           stacklevel=2)
-            return current
+    global _made_global
+    if set_global and _made_global is not None and not _made_global._shutdown:
+        # OpenTelemetry keeps its first global provider: a second one ran beside it
+        given = ", ".join(f"{key}={value!r}" for key, value in options.items())
+        _warnings.warn("crosstrace: init() was called already; its tracer goes on"
+                       + (f", and these options are not taken: {given}" if given else ""), RuntimeWarning,
+                       stacklevel=2)
+        return _made_global
     provider = TracerProvider(**options)
     if set_global:
-        _trace.set_tracer_provider(provider)
+        _trace.set_tracer_provider(provider)   # (refused, and said, where one is set already)
+        _made_global = provider if _trace.get_tracer_provider() is provider else None
     return provider
 
 

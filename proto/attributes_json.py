@@ -6,7 +6,7 @@ import math
 import orjson
 
 
-def json_value(value):
+def _json_value(value):
     """Attribute values JSON cannot hold (bytes, sets, arbitrary objects) travel as text."""
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
@@ -32,13 +32,13 @@ def dumps(value) -> bytes:
         data = orjson.dumps(value)
     except TypeError:
         try:
-            data = orjson.dumps(value, default=json_value, option=orjson.OPT_NON_STR_KEYS)
+            data = orjson.dumps(value, default=_json_value, option=orjson.OPT_NON_STR_KEYS)
         except TypeError:
             data = None
     if data is not None and (data.count(b"null") == _nones(value) or not _non_finite(value)):
         return data
     try:   # a lone surrogate (which orjson refuses) is written as '?': UTF-8 has no such character
-        return JSON_WRITTEN + json.dumps(value, separators=(",", ":"), default=json_value,
+        return JSON_WRITTEN + json.dumps(value, separators=(",", ":"), default=_json_value,
                                          ensure_ascii=False).encode("utf-8", "replace")
     except TypeError:   # keys json cannot write: orjson's text of them, nulls and all
         if data is None:

@@ -461,6 +461,14 @@ def test_init_called_again_returns_the_tracer_it_started_and_says_so():
     assert out.stdout.strip() == ("True|crosstrace: init() was called already; its tracer goes on, and these "
                                   "options are not taken: job_id='b'"), out.stdout
     assert "Overriding of current TracerProvider" not in out.stderr
+    # With OTEL_PYTHON_TRACER_PROVIDER=crosstrace the first init() is the first (OpenTelemetry
+    # made a provider of the environment's as init() looked for one: its options were not taken).
+    out = run_python("""
+        import warnings, crosstrace
+        warnings.simplefilter("error")
+        print(crosstrace.init(endpoint="127.0.0.1:9", job_id="a", exit_flush_timeout_s=0).config.job_id)
+    """, env={"OTEL_PYTHON_TRACER_PROVIDER": "crosstrace"})
+    assert out.stdout.strip() == "a", out.stdout + out.stderr
 
 
 def test_events_and_links_are_bounded_as_the_sdk_bounds_them(provider, collector):
@@ -490,9 +498,12 @@ def test_values_are_recorded_as_they_were_at_the_call(provider, collector):
     span.add_link(other, later)
     # Objects JSON has no type for travel as text: the text they had at the call, not what
     # the program made of them before the export (a running loss in a numpy array, a buffer).
+    import collections
+
     import numpy as np
     running, buffer = np.array([1.0, 2.0]), bytearray(b"\x01")
     span.set_attribute("running", running)
+    span.set_attribute("ordered", collections.OrderedDict(lr=[0.1]))   # still JSON, as the exporter writes it
     span.add_event("read", {"buffer": buffer})
     running *= 100
     buffer[0] = 2
@@ -505,7 +516,7 @@ def test_values_are_recorded_as_they_were_at_the_call(provider, collector):
     t = load_table(collector.store)
     row = by_name(t)["step"]
     assert t.attributes[row] == {"config": {"layers": [1, 2], "opt": {"lr": [0.1]}}, "nested": [[1], [2, [3]]],
-                                 "running": "[1. 2.]"}
+                                 "running": "[1. 2.]", "ordered": {"lr": [0.1]}}
     assert t.extras[row]["events"][0][2] == {"losses": [0.5]}
     assert t.extras[row]["events"][1][2] == {"buffer": "01"}
     assert [link[2] for link in t.extras[row]["links"]] == [{"why": "retry"}, {"n": [1]}]
@@ -573,6 +584,7 @@ def test_inputs_the_sdk_takes_are_taken_never_raised_nor_dropped(provider, colle
     twice.__exit__(None, None, None)
     twice.__exit__(None, None, None)
     tracer.start_as_current_span("never entered").__exit__(None, None, None)
+    tracer.start_as_current_span("never entered either", start_time=1).__exit__(None, None, None)
     tracer.start_span(123).end()
     span = tracer.start_span("float time")
     assert weakref.ref(span)() is span

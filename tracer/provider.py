@@ -328,6 +328,9 @@ class CurrentSpan:
 
     def __exit__(self, exc_type, exc, tb):
         span = self._span
+        if span is None:   # never entered: nothing to leave or end
+            log.debug("crosstrace: span %r was left without being entered", self._args[0])
+            return False
         detach_quietly(self._token)
         if span.is_recording():
             if exc is not None and isinstance(exc, Exception):

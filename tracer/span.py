@@ -8,6 +8,7 @@ What end() queues is the span's fields and attributes (ExportQueue says why), no
 span itself, which dies at end() unless its caller keeps it.
 """
 import collections
+import json
 import logging
 import threading
 import traceback
@@ -15,7 +16,7 @@ import traceback
 from opentelemetry import trace as trace_api
 from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
-from ..proto.attributes_json import json_value
+from ..proto.attributes_json import dumps
 from ..proto.semconv import OTEL_KINDS, Kind, Status
 
 log = logging.getLogger("crosstrace.tracer")
@@ -251,9 +252,10 @@ def frozen(value):
     """An attribute value as it is now, for good: a list as a tuple (at C speed: the values
     OpenTelemetry allows in one are plain), a dict copied all the way down (a dict inside
     itself one level only: its span alone then fails to encode, nothing is raised here),
-    another immutable value as it is, and any other object (a numpy array, a tensor, a
-    bytearray) as the text it will be exported as: taken at export, it was the object's
-    text then, after the program had changed it, and its __str__ ran on the exporter's thread."""
+    another immutable value as it is, and any other object as what the exporter will write
+    of it (a dataclass's fields, an enum's value, a numpy array's or a tensor's text):
+    written at export, it was the object as the program had changed it since, and its
+    __str__ ran on the exporter's thread."""
     kind = value.__class__
     if kind is list:
         return tuple(value)
@@ -265,7 +267,7 @@ def frozen(value):
     if isinstance(value, (str, int, float, bytes, tuple)):   # subclasses (an IntEnum) are exported as they are
         return value
     try:
-        return json_value(value)
+        return json.loads(dumps({"v": value}))["v"]
     except Exception as exc:   # its __str__ raised: the span is kept, with what went wrong
         return f"<{kind.__qualname__}: str() raised {exc!r}>"
 
