@@ -81,7 +81,7 @@ def check(batch: "pb.SpanBatch") -> CheckedBatch:
         ("unknown_kind", cols["kind"] > MAX_KIND),
         ("unknown_status", cols["status"] > MAX_STATUS),
         ("bad_name_index", cols["name"] >= len(batch.strings)),
-        ("attributes_not_an_object", not_object),
+        ("attributes_or_extras_not_an_object", not_object),
         ("attributes_too_deep", too_deep(attributes, extras)),
     )
     keep = np.ones(batch.count, dtype=bool)

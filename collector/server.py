@@ -197,14 +197,15 @@ class CollectorService:
                                   "crosstrace relay: batches are kept for upstream again")
         self.now = now              # the clock clock probes are answered from
 
-    def ingest(self, batch: "pb.SpanBatch") -> tuple[CheckedBatch, WriteResult]:
-        """Check one batch, commit it (and on a relay, hand it on upstream); durable on return.
-        Raises BadBatch for a batch that cannot be read, StoreUnavailable when it cannot be kept."""
+    def ingest(self, batch: "pb.SpanBatch", size: int | None = None) -> tuple[CheckedBatch, WriteResult]:
+        """Check one batch (`size`: its bytes as they came, where known), commit it (and on a
+        relay, hand it on upstream); durable on return. Raises BadBatch for a batch that
+        cannot be read, StoreUnavailable when it cannot be kept."""
         checked = check(batch)
         if self.forward is not None:
             if self.forward.came_back(batch):   # a forwarding loop
                 return checked, WriteResult(0, checked.batch.count, resent=True)
-            self.forward.check_fits(batch)
+            self.forward.check_fits(batch, size)
         try:
             result = self.writer.submit(checked).result()
         except Exception as exc:
@@ -233,7 +234,7 @@ class CollectorService:
     def _ack(self, data: bytes, context) -> "pb.ExportAck":
         try:
             with self.in_flight.hold(len(data)):
-                checked, result = self.ingest(decode(data))
+                checked, result = self.ingest(decode(data), len(data))
         except BadBatch as exc:
             self.refuse(exc, context)
         except StoreUnavailable as exc:

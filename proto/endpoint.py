@@ -18,10 +18,13 @@ GRPC_TARGETS = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")   # gRPC'
 
 def target_of(endpoint: str) -> tuple[str, bool]:
     """(gRPC target, whether TLS is asked) of an endpoint as a user writes it: host:port,
-    http(s)://host:port or one of gRPC's own target forms; ValueError for anything else."""
+    http(s)://host:port (https://host: port 443, as OpenTelemetry's exporters take it) or
+    one of gRPC's own target forms; ValueError for anything else."""
     target, tls = from_url(endpoint)
     if target.startswith(GRPC_TARGETS):
         return target, tls
+    if tls and not target.rpartition("]")[2].rpartition(":")[2].isdigit():   # (a [v6] address's colons aside)
+        target += ":443"
     split_host_port(target)
     if "://" in target.replace("dns:///", ""):
         raise ValueError("a URL scheme other than http or https")

@@ -295,3 +295,14 @@ def test_a_malformed_budget_file_is_bad_input_not_a_violation(tmp_path):
                               "--budget", str(path)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert str(path) in out.stderr
+
+
+def test_the_kinds_a_category_needs_agree_with_where_attribution_puts_time():
+    """SOURCE_KINDS (the traces a category budget samples) is kept by hand beside SELF_TIME:
+    a kind whose own time goes to a category must be among the kinds that category needs."""
+    from crosstrace.collector.attribution import CATEGORIES, SELF_TIME, SOURCE_KINDS
+
+    assert set(SOURCE_KINDS) <= set(CATEGORIES)
+    for kind, category in SELF_TIME.items():
+        if category in SOURCE_KINDS:
+            assert kind in SOURCE_KINDS[category], (kind, category)

@@ -495,8 +495,8 @@ def test_a_span_whose_attributes_or_extras_are_not_an_object_is_rejected_alone(c
     b.attributes_json = b'[{"a":1},5,null,{"b":2}]'
     b.extras_json = b'[[0,{"status_message":"ok"}],[3,"oops"]]'
     acks, err = export(collector.address, [b.SerializeToString()])
-    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"attributes_not_an_object": 2}
-    assert rejects(collector)["attributes_not_an_object"] == 2
+    assert err is None and acks[0].accepted == 2 and dict(acks[0].rejected) == {"attributes_or_extras_not_an_object": 2}
+    assert rejects(collector)["attributes_or_extras_not_an_object"] == 2
 
 
 def test_attributes_nested_too_deep_to_write_back_are_rejected_one_by_one(collector, tmp_path):

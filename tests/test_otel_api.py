@@ -430,10 +430,12 @@ def test_malformed_settings_are_reported_and_urls_are_taken(monkeypatch):
     monkeypatch.setenv("CROSSTRACE_ENDPOINT", "collector.local")               # no port
     with pytest.warns(RuntimeWarning, match="ignoring endpoint 'collector.local'.*using 127.0.0.1:4327"):
         assert Config.from_env().endpoint == "127.0.0.1:4327"
-    for bad in ("https://collector.local", "grpc://collector.local:4327"):     # no port; not a scheme gRPC takes
+    for bad in ("http://collector.local", "grpc://collector.local:4327"):     # no port; not a scheme gRPC takes
         with pytest.warns(RuntimeWarning, match="ignoring endpoint"):
             fallback = Config.from_env(endpoint=bad)
         assert (fallback.endpoint, fallback.uses_tls) == ("127.0.0.1:4327", False)
+    hosted = Config.from_env(endpoint="https://collector.example")   # TLS's port, as OpenTelemetry's exporters take it
+    assert (hosted.endpoint, hosted.uses_tls) == ("collector.example:443", True)
 
 
 def test_a_configuration_warning_points_at_the_callers_line():
@@ -444,6 +446,12 @@ def test_a_configuration_warning_points_at_the_callers_line():
     with pytest.warns(RuntimeWarning, match="ignoring endpoint 'nohost'") as warned_too:
         crosstrace.TracerProvider(endpoint="nohost", disabled=True)
     assert [w.filename for w in (*warned, *warned_too)] == [__file__, __file__]
+    out = run_python("""
+        from opentelemetry import trace
+        trace.get_tracer("t")   # line 3: OpenTelemetry makes crosstrace's provider here
+    """, env={"OTEL_PYTHON_TRACER_PROVIDER": "crosstrace", "CROSSTRACE_BATCH_SIZE": "0",
+              "CROSSTRACE_ENDPOINT": "127.0.0.1:9", "CROSSTRACE_EXIT_FLUSH_TIMEOUT_S": "0"})
+    assert "<string>:3: RuntimeWarning: crosstrace: batch_size=0 is below its minimum" in out.stderr, out.stderr
 
 
 def test_init_called_again_returns_the_tracer_it_started_and_says_so():

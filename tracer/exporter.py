@@ -258,8 +258,8 @@ class Exporter:
             timeout_s = max(0.0, deadline - time.monotonic())
         if self._children is not None:
             self._children.stop_taking()   # children that look from now on send themselves
-        nothing = not self._ever_acked and self.recorded_nothing()
-        if nothing:   # a collector never reached, for clock samples alone: not worth a wait
+        nothing = not self._ever_acked and self._outage_since is not None and self.recorded_nothing()
+        if nothing:   # a collector out of reach all along, for clock samples alone: not worth a wait
             timeout_s, deadline = 0.0, time.monotonic()
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
         # The flush leaves the thread time to batch what it holds (it may be waiting for acks

@@ -27,8 +27,13 @@ _ending = threading.Lock()                   # taken by whichever of the two act
 
 def _noted(signum, frame) -> None:
     """SIGTERM's Python handler, which runs once the main thread runs Python again: the
-    watching thread has acted on SIGTERM, unless the program took the wakeup fd since."""
-    threading.Thread(target=_end, name="crosstrace-sigterm", daemon=True).start()
+    watching thread has heard of SIGTERM through the wakeup fd, unless the program took that
+    since; so it is told here too (it acts once)."""
+    if _installed is not None:
+        try:
+            os.write(_installed[1], bytes([signal.SIGTERM]))
+        except OSError:   # full: the thread has SIGTERMs to read already
+            pass
 
 
 def _end() -> None:

@@ -19,7 +19,7 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ...proto import semconv as sc
-from ...proto.endpoint import from_url
+from ...proto.endpoint import target_of
 from ...proto.semconv import Kind
 from ..align import UNBOUNDED_NS
 from ..columns import loads
@@ -181,7 +181,7 @@ def _span(t, al, row: int, start: int, end: int, event_time) -> "trace_pb2.Span"
 def channel(endpoint: str, ca: str | None = None) -> grpc.Channel:
     """`host:port` or `http://host:port`: plaintext; `https://host:port`, or any of them with
     `ca`: TLS (with `ca`, else the system's roots). Read as a tracer reads its endpoint."""
-    target, tls = from_url(endpoint)
+    target, tls = target_of(endpoint)
     if not (tls or ca):
         return grpc.insecure_channel(target)
     root = None
