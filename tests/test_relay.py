@@ -226,6 +226,11 @@ def test_a_relay_forwarding_to_itself_is_refused_at_start(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "own --listen address" in out.stderr, out.stderr
     assert not (tmp_path / "s.db").exists()
+    # A relay's options without --forward-to were taken, and did nothing.
+    out = subprocess.run([sys.executable, "-m", "crosstrace", "collector", "--store", str(tmp_path / "s.db"),
+                          "--listen", "127.0.0.1:0", "--spool-max-mb", "10"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--spool-max-mb goes with --forward-to" in out.stderr, out.stderr
+    assert not (tmp_path / "s.db").exists()
 
 
 def test_a_batch_too_large_once_marked_is_refused_before_the_relay_acks_it(tmp_path):

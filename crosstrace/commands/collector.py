@@ -66,6 +66,10 @@ def run_args(args) -> int:
     tokens = security.load_tokens(args.tokens) if args.tokens else None
     upstream = None
     options = {}
+    relay_only = [flag for flag, value in (("--node-id", args.node_id), ("--spool", args.spool),
+                                           ("--spool-max-mb", args.spool_max_mb)) if value]
+    if relay_only and not args.forward_to:   # (it was taken, and nothing happened)
+        raise ValueError(f"{relay_only[0]} goes with --forward-to ENDPOINT (relay mode)")
     if args.forward_to:
         # A clear error now, not retries for ever; http(s)://HOST:PORT as OpenTelemetry writes it
         if split_host_port(from_url(args.forward_to)[0]) == split_host_port(args.listen):
