@@ -41,9 +41,19 @@ def dumps(value) -> bytes:
         return JSON_WRITTEN + json.dumps(value, separators=(",", ":"), default=_json_value,
                                          ensure_ascii=False).encode("utf-8", "replace")
     except TypeError:   # keys json cannot write: orjson's text of them, nulls and all
-        if data is None:
-            raise
-        return data
+        if data is not None:
+            return data
+        return dumps(_keys_as_text(value))   # keys neither writes (a tuple): their text
+
+
+def _keys_as_text(value):
+    """`value` with every dict key that is not text made its text (a tuple key dropped its
+    span, where OpenTelemetry's SDK keeps the span and warns)."""
+    if isinstance(value, dict):
+        return {key if type(key) is str else str(key): _keys_as_text(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_keys_as_text(item) for item in value]
+    return value
 
 
 def _nones(value) -> int:

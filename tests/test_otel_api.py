@@ -577,8 +577,9 @@ def test_off_type_kinds_and_statuses_are_taken_or_ignored_never_raised(provider,
 
 def test_inputs_the_sdk_takes_are_taken_never_raised_nor_dropped(provider, collector):
     """Each of these raised into the caller (a None among links, a context manager left
-    twice or never entered), or had its span dropped at export (a name not given as text),
-    or its event left out of every export (a float timestamp, as time.time() * 1e9 gives)."""
+    twice or never entered), or had its span dropped at export (a name not given as text, a
+    tuple as an attribute's key), or its event left out of every export (a float timestamp,
+    as time.time() * 1e9 gives)."""
     import time
     import weakref
 
@@ -594,6 +595,7 @@ def test_inputs_the_sdk_takes_are_taken_never_raised_nor_dropped(provider, colle
     tracer.start_as_current_span("never entered").__exit__(None, None, None)
     tracer.start_as_current_span("never entered either", start_time=1).__exit__(None, None, None)
     tracer.start_span(123).end()
+    tracer.start_span("tuple key", attributes={("a", 1): "v"}).end()   # its span was dropped at encode
     span = tracer.start_span("float time")
     assert weakref.ref(span)() is span
     span.add_event("checkpoint", timestamp=time.time() * 1e9)
@@ -602,7 +604,8 @@ def test_inputs_the_sdk_takes_are_taken_never_raised_nor_dropped(provider, colle
     assert provider.force_flush(10_000) and provider.dropped_spans == 0
     t = load_table(collector.store)
     rows = by_name(t)
-    assert sorted(rows) == ["123", "current links", "float time", "left twice", "links"]
+    assert sorted(rows) == ["123", "current links", "float time", "left twice", "links", "tuple key"]
+    assert t.attributes[rows["tuple key"]] == {"('a', 1)": "v"}
     assert len(t.extras[rows["links"]]["links"]) == 1
     (name, when, _), = t.extras[rows["float time"]]["events"]
     assert name == "checkpoint" and type(when) is int   # exports leave out an event whose time is not
