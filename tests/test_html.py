@@ -118,3 +118,32 @@ def test_report_command_writes_the_page(browser, rpc_store, tmp_path):
     # Each node's recovered clock, as the terminal report shows them.
     clocks = browser.find_element("xpath", "//h2[starts-with(., 'clocks')]/following-sibling::table[1]").text
     assert all(node in clocks for node in ("frontend", "gateway", "model")) and "ppm" in clocks
+
+
+def test_each_kind_of_trace_gets_a_timeline(browser, tmp_path):
+    """The slowest and the median of all traces mixed (a pipeline step and a request) hid
+    the training step and its straggler: each kind's slowest trace is drawn, the slowest
+    kind first. A span with children is drawn faint (its colour is its own time's: a step
+    solid in bubble read as all bubble), and a lane's label keeps its end, the rank."""
+    spans, nodes = straggler_step()
+    more, _ = gpipe()
+    for s in more:
+        s["trace"] = 2
+        if s["parent"] == 0:
+            s["name"] = "pipeline-step"
+    host = "ip-10-0-12-34.us-west-2.compute.internal/rank"
+    for s in spans:
+        s["node"] = host + s["node"][-1]
+    path = hand_built_page(tmp_path, spans + more, {**{host + str(r): r for r in range(3)}, "stage0": 0, "stage1": 1})
+    open_page(browser, path)
+    titles = browser.execute_script("return [...document.querySelectorAll('section.trace h2')].map(h => h.textContent)")
+    assert [title.split(":")[0] for title in titles] == ["slowest of 1 trace of its kind"] * 2
+    assert [title.split(": ")[1].split(" ")[0] for title in titles] == ["step", "pipeline-step"]   # slowest first
+    labels = browser.execute_script(
+        "return [...document.querySelectorAll('svg.timeline')[0].querySelectorAll('.lane-label')].map(t => t.textContent)")
+    assert labels[1:] == [f"ip-10-0-12-…rank{r} (rank {r})" for r in range(3)]   # not 3 x "ip-10-0-12-34.us-west-2.co"
+    faint = browser.execute_script("""
+        return [...document.querySelectorAll('svg.timeline')[0].querySelectorAll('rect')]
+            .filter(r => r.getAttribute('fill-opacity') === '0.3')
+            .map(r => r.querySelector('title').textContent.split(' ')[0]);""")
+    assert sorted(set(faint)) == ["step"]   # the roots: their children cover them

@@ -1,11 +1,12 @@
 """The report as one self-contained HTML page (inline SVG, CSS and a few lines of script;
 nothing loaded from elsewhere).
 
-It shows: budget status; timelines of the slowest and of a typical (median) trace with
-one lane per node, spans stacked by nesting depth, collective/p2p/RPC spans split into
-their wait, transfer and network parts, and the critical path drawn over the lanes;
-stacked attribution bars per trace (critical path) and per rank (slowest trace); per
-kind of trace (same root name), every critical-path segment at p50/p95/p99.
+It shows: budget status; timelines of the slowest trace of each kind (and of a typical one
+where there is one kind) with one lane per node, spans stacked by nesting depth (a span
+with children faint), collective/p2p/RPC spans split into their wait, transfer and network
+parts, and the critical path drawn over the lanes; stacked attribution bars per trace
+(critical path) and per rank (each trace drawn); per kind of trace (same root name), every
+critical-path segment at p50/p95/p99.
 Clicking a legend entry hides or shows that category.
 """
 import html
@@ -107,14 +108,18 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
         label = t.nodes[k] + (f" (rank {r.rank})" if r.rank >= 0 else "")
         parts.append(f'<g class="lane" data-node="{html.escape(t.nodes[k])}">'
                      f'<rect x="0" y="{top[k] - 2}" width="{WIDTH}" height="{lane_height[k] - 2}" fill="#f7f7f7"/>'
-                     f'<text x="4" y="{top[k] + 11}" class="lane-label">{html.escape(label[:26])}</text></g>')
-    # Colours as the per-rank breakdown counts them (attribution decides, not this view).
+                     f'<text x="4" y="{top[k] + 11}" class="lane-label">{html.escape(_short(label))}</text></g>')
+    # Colours as the per-rank breakdown counts them (attribution decides, not this view); a
+    # span with children faint, since its colour is that of its own time only (a pipeline
+    # step drawn solid in bubble's read as a step all bubble).
     pipeline = at.group_pipeline[at.group]
+    has_child = np.zeros(len(t), dtype=bool)
+    has_child[dag.parent[rows][dag.parent[rows] >= 0]] = True
     for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(kinds[rows], pipeline[rows]).tolist()):
         y0 = top[int(t.node[r])] + d * ROW
         kind = KIND_NAMES.get(int(t.kind[r]), "internal")
         title = f"{t.names[t.name[r]]} ({kind}) {format_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
-        outline = ' stroke="#fff" stroke-width="0.5"'
+        outline = ' stroke="#fff" stroke-width="0.5"' + (' fill-opacity="0.3"' if has_child[r] else "")
         if t.status[r] == Status.ERROR:
             message = t.extras.get(r, {}).get("status_message")
             title += f"\nERROR: {message}" if message else "\nERROR"
@@ -152,6 +157,11 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
         parts.append(f'<text x="{LABEL + ns * scale:.1f}" y="{height - 6}" text-anchor="{anchor}">{format_ns(ns)}</text>')
     return (f'<svg class="timeline" width="{WIDTH}" height="{height}" data-trace="{trace["trace_id"]}">'
             f'{"".join(parts)}</svg>')
+
+
+def _short(label: str, most: int = 26) -> str:
+    """A lane's label within its margin, its end kept (the rank: host names share their start)."""
+    return label if len(label) <= most else label[:most // 2 - 2] + "…" + label[-(most // 2 + 1):]
 
 
 def _budgets(report: dict) -> str:
@@ -238,7 +248,27 @@ def _kinds(summary: dict, traces: list[dict], limit: int = 5, rows: int = 14) ->
         line = stragglers_line(name, k["traces"], traces)
         if line:
             out.append(f"<p>{html.escape(line)}</p>")
+    if len(summary) > limit:
+        out.append(f"<p>{counted(len(summary) - limit, 'kind')} with fewer traces not shown here: "
+                   "<code>crosstrace report --json</code> has every kind.</p>")
     return "".join(out)
+
+
+def _shown(traces: list[dict], most: int = 4) -> list[tuple[str, dict]]:
+    """The traces drawn on a timeline: the slowest of each kind (root name), the slowest
+    kinds first, up to `most`; of a single kind, its slowest and its typical (median) trace.
+    The slowest and median of all mixed kinds hid a store's training steps behind its
+    requests, and the straggler never showed on a timeline."""
+    by_kind: dict[str, list[dict]] = {}
+    for trace in slowest_first(traces):
+        by_kind.setdefault(trace["name"], []).append(trace)
+    if len(by_kind) == 1:
+        (ordered,) = by_kind.values()
+        typical = ordered[len(ordered) // 2]
+        return [("slowest trace", ordered[0])] + (
+            [("typical trace (median duration)", typical)] if typical is not ordered[0] else [])
+    shown = [(f"slowest of {counted(len(kind), 'trace')} of its kind", kind[0]) for kind in by_kind.values()]
+    return shown[:most]
 
 
 def _trace_section(title: str, trace: dict, analysed, at, kinds, pieces) -> str:
@@ -266,16 +296,12 @@ def render(report: dict, analysed, attributed) -> str:
             f"{counted(sum(tr['spans'] for tr in traces), 'span')}" + (f', <span class="error">{errors}</span>' if errors else "")
             + "</p>", _legend(), "<h2>budgets</h2>", _budgets(report)]
     if traces:
-        ordered = slowest_first(traces)
-        slowest, typical = ordered[0], ordered[len(ordered) // 2]
         dag, n = attributed.dag, len(analysed.table)     # the spans split at partners and joins, once
         kinds = attribution.self_kinds(analysed.table, dag)
         pieces = attribution.pieces(analysed.table, dag, kinds, dag.starts, dag.ends,
                                     dag.error[0:2 * n:2])
-        body.append(_trace_section("slowest trace", slowest, analysed, attributed, kinds, pieces))
-        if typical is not slowest:
-            body.append(_trace_section("typical trace (median duration)", typical, analysed, attributed, kinds,
-                                       pieces))
+        for title, trace in _shown(traces):
+            body.append(_trace_section(title, trace, analysed, attributed, kinds, pieces))
         body.append(_trace_bars(traces))
         if report.get("summary"):
             body += ["<h2>traces of one kind: the critical path by segment</h2>", _kinds(report["summary"], traces)]
