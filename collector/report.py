@@ -65,11 +65,7 @@ def trace_summaries(a: Analysed) -> list[dict]:
     np.maximum.at(end, t.trace, al.end)
     spans = np.bincount(t.trace, minlength=n_traces)
     errors = np.bincount(t.trace[t.status == Status.ERROR], minlength=n_traces)
-    # Root name: among each trace's root spans (else all its spans), the earliest.
-    is_root = t.parent_id == 0
-    order = np.lexsort((al.start, ~is_root, t.trace))
-    first = order[np.r_[True, t.trace[order][1:] != t.trace[order][:-1]]]
-    name_of = dict(zip(t.trace[first].tolist(), t.name[first].tolist()))
+    name_of = root_names(t, al.start)
     pairs = np.unique(np.stack([t.trace, t.node], axis=1), axis=0)
     nodes_per_trace = np.bincount(pairs[:, 0], minlength=n_traces)
     out = []
@@ -79,6 +75,17 @@ def trace_summaries(a: Analysed) -> list[dict]:
                     "nodes": int(nodes_per_trace[i]), "errors": int(errors[i])})
     out.sort(key=lambda tr: tr["start_ns"])
     return out
+
+
+def root_names(t: SpanTable, start: np.ndarray) -> dict[int, int]:
+    """Per trace (index), the name (index) it goes by: its earliest root span's, else its
+    earliest span's."""
+    if not len(t):
+        return {}
+    is_root = t.parent_id == 0
+    order = np.lexsort((start, ~is_root, t.trace))
+    first = order[np.r_[True, t.trace[order][1:] != t.trace[order][:-1]]]
+    return dict(zip(t.trace[first].tolist(), t.name[first].tolist()))
 
 
 def clocks_section(models) -> dict:

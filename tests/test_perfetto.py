@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from crosstrace.collector.attribution import attribute
+from crosstrace.collector.durations import format_ns
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import Analysed
 from crosstrace.collector.views import perfetto
@@ -116,9 +117,11 @@ def test_processes_flows_and_critical_path(tmp_path):
     # The critical path: one track per trace whose slices tile the trace.
     at = attribute(table, alignment, analysed.matches)
     cp = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "critical_path"]
-    for tr in range(len(table.trace_ids)):
+    for tr, name in enumerate(("step", None, "infer")):   # named by its trace's name, duration and id
+        duration = format_ns(int(at.dag.trace_end[tr] - at.dag.trace_start[tr]))
         tid = {e["tid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"
-               and e["args"]["name"] == f"critical path {table.trace_ids[tr]}"}
+               and e["args"]["name"].endswith(f" {duration} {table.trace_ids[tr][:16]}")
+               and (name is None or e["args"]["name"].startswith(name + " "))}
         assert len(tid) == 1
         total = sum(e["dur"] for e in cp if e["tid"] in tid)
         assert abs(total - (at.dag.trace_end[tr] - at.dag.trace_start[tr]) / 1000) < 0.01
@@ -126,6 +129,23 @@ def test_processes_flows_and_critical_path(tmp_path):
                 and e["args"].get("critical_path_ns")]
     assert len(backward) == 1 and backward[0]["args"]["critical_path_ns"] == 60 * MS
     assert {e["name"] for e in cp} >= {"compute", "collective.transfer"}
+
+
+def test_processes_are_grouped_by_job_and_role_then_rank(tmp_path):
+    """Sorted by rank alone, two roles' ranks were interleaved: trainer-0, stage-0, trainer-1."""
+    spans, nodes = straggler_step()
+    names = {"rank0": "trainer-0", "rank1": "stage-0", "rank2": "trainer-1"}
+    for s in spans:
+        s["node"] = names[s["node"]]
+    table, alignment = build(spans, {"trainer-0": 0, "stage-0": 0, "trainer-1": 1})
+    for resource in table.resources:
+        resource.role = resource.node_id.split("-")[0]
+    analysed = Analysed(table, alignment, match(table))
+    doc = perfetto.trace_events(analysed, attribute(table, alignment, analysed.matches))
+    names_of = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    order = sorted((e["args"]["sort_index"], names_of[e["pid"]]) for e in doc["traceEvents"]
+                   if e["name"] == "process_sort_index" and names_of[e["pid"]] != "critical path")
+    assert [name for _, name in order] == ["stage-0 (rank 0)", "trainer-0 (rank 0)", "trainer-1 (rank 1)"]
 
 
 def test_an_edge_that_runs_backward_keeps_its_arrow(tmp_path):

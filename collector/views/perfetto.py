@@ -30,7 +30,9 @@ from ...proto.semconv import KIND_NAMES
 from .. import attribution
 from ..columns import dumps
 from ..dag import Edge, dense
+from ..durations import format_ns
 from ..matching import occurrence
+from ..report import root_names
 from . import PLAIN, aligned_attributes, open_output, outcome
 
 _FLOWS = {Edge.MESSAGE: "p2p", Edge.RENDEZVOUS: "p2p receive posted", Edge.RPC_REQUEST: "rpc request",
@@ -103,11 +105,15 @@ def trace_events(analysed, at: "attribution.Attribution") -> dict:
     pid = t.node.astype(np.int64) + 1
     rank = [int(r.rank) for r in t.resources]
     events = []
-    for node, node_id in enumerate(t.nodes):
+    # Processes grouped by job and role, by rank within one: sorted by rank alone, two jobs'
+    # ranks interleaved (trainer-0, stage-0, trainer-1, ...).
+    order = sorted(range(len(t.nodes)), key=lambda k: (t.resources[k].job_id, t.resources[k].role, rank[k] < 0,
+                                                       rank[k], t.nodes[k]))
+    for position, node in enumerate(order):
+        node_id = t.nodes[node]
         label = f"{node_id} (rank {rank[node]})" if rank[node] >= 0 else node_id
         events.append({"ph": "M", "name": "process_name", "pid": node + 1, "args": {"name": label}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": node + 1,
-                       "args": {"sort_index": rank[node] if rank[node] >= 0 else len(t.nodes) + node}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": node + 1, "args": {"sort_index": position}})
     for i, (r, k) in enumerate(track_rows, 1):
         name = f"thread {int(t.thread[r]):x}" + (f" (overlapping {k})" if k else "")
         events.append({"ph": "M", "name": "thread_name", "pid": int(pid[r]), "tid": i, "args": {"name": name}})
@@ -153,10 +159,12 @@ def trace_events(analysed, at: "attribution.Attribution") -> dict:
     cp_pid = len(t.nodes) + 1
     events.append({"ph": "M", "name": "process_name", "pid": cp_pid, "args": {"name": "critical path"}})
     events.append({"ph": "M", "name": "process_sort_index", "pid": cp_pid, "args": {"sort_index": -1}})
-    for tr in np.unique(paths.trace).tolist():
+    name_of = root_names(t, start)
+    for tr in np.unique(paths.trace).tolist():   # named so that a slow trace's path is found by its name
         cp_tid = n_lanes + 1 + tr
+        duration = format_ns(int(dag.trace_end[tr] - dag.trace_start[tr]))
         events.append({"ph": "M", "name": "thread_name", "pid": cp_pid, "tid": cp_tid,
-                       "args": {"name": f"critical path {t.trace_ids[tr]}"}})
+                       "args": {"name": f"{t.names[name_of[tr]]} {duration} {t.trace_ids[tr][:16]}"}})
     seg_ts, seg_dur = us(paths.start), us(paths.end, paths.start)
     for k in np.flatnonzero(paths.end > paths.start).tolist():
         r, node = int(at.segment_row[k]), int(dag.node[paths.dst[k]])
