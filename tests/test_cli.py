@@ -535,3 +535,13 @@ def test_a_report_of_some_traces_lists_their_nodes_clocks_only(collector):
     one = crosstrace("report", "--store", collector.store, "--trace", f"{1:016x}", "--json", "-")
     assert one.returncode == 0, one.stderr
     assert list(json.loads(one.stdout)["clocks"]) == ["edge"]
+
+
+def test_an_empty_store_says_so_on_the_page(tmp_path):
+    """The HTML page of a store without traces was a legend and a clock table, and nothing said why."""
+    from crosstrace.collector.store import Store
+
+    Store(str(tmp_path / "empty.db")).close()
+    result = crosstrace("report", "--store", str(tmp_path / "empty.db"), "--html", str(tmp_path / "r.html"))
+    assert result.returncode == 0, result.stderr
+    assert "No traces in this store" in (tmp_path / "r.html").read_text()

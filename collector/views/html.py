@@ -30,7 +30,7 @@ STYLE = """
 body{font:13px system-ui,sans-serif;margin:20px;color:#222;max-width:1200px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:left}
-td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}small{color:#666}
 .ok{color:#2a7d2a;font-weight:600}.violated,.no_data,.error{color:#c0392b;font-weight:600}
 .legend span{display:inline-block;margin:2px 10px 2px 0;cursor:pointer;user-select:none}
 .legend i,table.kind i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
@@ -171,12 +171,13 @@ def _budgets(report: dict) -> str:
     for b in report["budgets"]:
         worst = format_worst(b)
         measured, limit = format_measured(b)
-        rows.append(f'<tr><td>{html.escape(b["name"])}</td><td>{html.escape(b["rule"])}</td>'
+        rule = f'<br><small>{html.escape(b["rule"])}</small>' if b["rule"] != b["name"] else ""   # (a name given)
+        rows.append(f'<tr><td>{html.escape(b["name"])}{rule}</td>'
                     f'<td class="num">{measured}</td><td class="num">{limit}</td>'
                     f'<td class="num">{b["samples"]}</td><td class="{b["status"]}">{b["status"].replace("_", " ")}</td>'
                     f'<td>{html.escape(worst)}</td></tr>')
     return (f"<p>{html.escape(verdict(report['budgets']))}</p>"
-            "<table><tr><th>budget</th><th>rule</th><th>measured</th><th>limit</th><th>samples</th>"
+            "<table><tr><th>budget</th><th>measured</th><th>limit</th><th>samples</th>"
             f"<th>status</th><th>worst traces</th></tr>{''.join(rows)}</table>")
 
 
@@ -295,7 +296,9 @@ def render(report: dict, analysed, attributed) -> str:
     body = [f"<h1>crosstrace report</h1><p>{html.escape(str(report['store']))}: {counted(len(traces), 'trace')}, "
             f"{counted(sum(tr['spans'] for tr in traces), 'span')}" + (f', <span class="error">{errors}</span>' if errors else "")
             + "</p>", _legend(), "<h2>budgets</h2>", _budgets(report)]
-    if traces:
+    if not traces:
+        body.append("<p>No traces in this store (or in its window, with <code>--last</code>).</p>")
+    else:
         dag, n = attributed.dag, len(analysed.table)     # the spans split at partners and joins, once
         kinds = attribution.self_kinds(analysed.table, dag)
         pieces = attribution.pieces(analysed.table, dag, kinds, dag.starts, dag.ends,
