@@ -315,6 +315,9 @@ def test_start_span_as_context_manager_records_what_raises(provider, collector):
         with tracer.start_as_current_span("current", record_exception=False, end_on_exit=False) as span:
             raise Boom("quiet")
     span.end()
+    with pytest.raises(KeyboardInterrupt):   # recorded too, as the SDK's span records it
+        with tracer.start_span("interrupted"):
+            raise KeyboardInterrupt
     assert provider.force_flush(10_000)
     t = load_table(collector.store)
     rows = by_name(t)
@@ -324,6 +327,9 @@ def test_start_span_as_context_manager_records_what_raises(provider, collector):
     event = t.extras[loud]["events"][0]
     assert event[0] == "exception" and event[2]["exception.type"] == f"{__name__}.Boom"
     assert "events" not in t.extras[quiet] and t.extras[quiet]["status_message"] == "Boom: quiet"
+    interrupted = rows["interrupted"]
+    assert t.status[interrupted] == Status.ERROR
+    assert t.extras[interrupted]["events"][0][2]["exception.type"] == "KeyboardInterrupt"
 
 
 def test_status_list_attributes_links_and_trace_state_as_the_sdk_keeps_them(provider, collector):

@@ -161,13 +161,15 @@ class Span:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """`with tracer.start_span(...)`: an exception is recorded, unless start_span was told not to."""
+        """`with tracer.start_span(...)`: what was raised is recorded, unless start_span was
+        told not to; a KeyboardInterrupt too, as OpenTelemetry's SDK records it there (its
+        start_as_current_span records Exceptions only: GeneratorExit is no error)."""
         if not self.end_ns:
-            if exc is not None and isinstance(exc, Exception):
+            if exc is not None:
                 self._raised(exc)
             self.end()
 
-    def _raised(self, exc: Exception) -> None:
+    def _raised(self, exc: BaseException) -> None:
         """An exception escaped the span: an exception event and an ERROR status (as far
         as start_span's record_exception and set_status_on_exception allow)."""
         extras = self.extras
