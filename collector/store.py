@@ -364,11 +364,10 @@ class Store:
         # took that name): probing from #2 up cost one lookup per clock the node id had, on
         # the store's one writer thread, and a client that named a new clock in every batch
         # made every batch slower (17 ms a batch at 8,000 clocks).
-        name = node_id if not rows else f"{node_id}#{len(rows) + 1}"
-        for k in itertools.count(len(rows) + 2):
+        for k in itertools.count(len(rows) + 1):
+            name = f"{node_id}#{k}" if k > 1 else node_id
             if not db.execute("SELECT 1 FROM nodes WHERE node_id = ?", (name,)).fetchone():
                 break
-            name = f"{node_id}#{k}"
         row = db.execute("INSERT INTO nodes (node_id, resource, first_seen_ns, last_seen_ns) VALUES (?, ?, ?, ?)",
                          (name, b"", now, now)).lastrowid
         if clock:

@@ -8,13 +8,12 @@ import time
 
 import numpy as np
 
-from crosstrace.collector import spantable
 from crosstrace.collector.align import fit_models
 from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until, free_port
 from crosstrace.proto import pb
 
-from .conftest import run_python
+from .conftest import load_table, run_python
 from .test_clock_loopback import injected_offset, span_starts
 from .test_spool import stored_indices
 
@@ -249,13 +248,5 @@ def test_a_batch_too_large_once_marked_is_refused_before_the_relay_acks_it(tmp_p
         assert not acks and err.code().name == "RESOURCE_EXHAUSTED" and "once marked for upstream" in err.details()
         acks, err = export(relay.address, [batch(3, seq=2, first_id=10).SerializeToString()])
         assert err is None and acks[0].accepted == 3
-        assert wait_until(lambda: span_ids(cloud.store) == [10, 11, 12], 30)
-        assert span_ids(relay.store) == [10, 11, 12]   # not kept at the gateway either
-
-
-def span_ids(path: str) -> list[int]:
-    store = Store(path, readonly=True)
-    try:
-        return sorted(spantable.load(store).span_id.tolist())
-    finally:
-        store.close()
+        assert wait_until(lambda: sorted(load_table(cloud.store).span_id.tolist()) == [10, 11, 12], 30)
+        assert sorted(load_table(relay.store).span_id.tolist()) == [10, 11, 12]   # not kept at the gateway either

@@ -10,7 +10,7 @@ from crosstrace.collector.store import Store
 from crosstrace.launch import CollectorProcess, wait_until
 from crosstrace.proto import pb
 
-from .conftest import first_line, run_python, span_count, tracer_env
+from .conftest import first_line, load_table, run_python, span_count, tracer_env
 
 
 SPANS_SCRIPT = """
@@ -802,8 +802,7 @@ def test_a_worker_whose_asyncio_loop_took_the_wakeup_fd_still_ends_on_sigterm(co
         print(*exits, p.force_flush(20000))
     """, env=tracer_env(collector, "asyncio-workers"), timeout=90)
     assert out.stdout.split() == ["-15", "-15", "True"], out.stdout + out.stderr
-    with Store(collector.store, readonly=True) as store:
-        table = spantable.load(store)
+    table = load_table(collector.store)
     assert sorted(table.names[n] for n in table.name) == ["closed", "serving"]
 
 

@@ -258,7 +258,7 @@ class Exporter:
             timeout_s = max(0.0, deadline - time.monotonic())
         if self._children is not None:
             self._children.stop_taking()   # children that look from now on send themselves
-        nothing = not self._ever_acked and self._outage_since is not None and self.recorded_nothing()
+        nothing = not self._ever_acked and self._outage_since is not None and self._recorded_nothing()
         if nothing:   # a collector out of reach all along, for clock samples alone: not worth a wait
             timeout_s, deadline = 0.0, time.monotonic()
         self._prober.probe_now(min(timeout_s / 2, _EXIT_PROBE_S))
@@ -362,7 +362,7 @@ class Exporter:
             spooled = 0
         return spooled, batched - spooled + len(self.queue.queue) // FIELDS
 
-    def recorded_nothing(self) -> bool:
+    def _recorded_nothing(self) -> bool:
         """No span, nor a count of dropped ones, was ever batched here or waits to be, and no
         forked child hands any over: a process that imported a traced module and traced
         nothing (its --help, say), whose exit waited 4.5 s for a collector out of reach. (Its

@@ -247,7 +247,8 @@ def own_attributes(attributes) -> dict:
     return attributes
 
 
-_AS_IS = frozenset((str, int, float, bool, type(None), bytes, tuple))   # values frozen() need not see
+_IMMUTABLE = (str, int, float, bytes, tuple)   # kept as they are, subclasses (an IntEnum) too
+_AS_IS = frozenset((*_IMMUTABLE, bool, type(None)))   # the classes frozen() need not see
 
 
 def frozen(value):
@@ -266,7 +267,7 @@ def frozen(value):
             return {key: frozen(item) if item.__class__ not in _AS_IS else item for key, item in value.items()}
         except RecursionError:
             return dict(value)
-    if isinstance(value, (str, int, float, bytes, tuple)):   # subclasses (an IntEnum) are exported as they are
+    if isinstance(value, _IMMUTABLE):
         return value
     try:
         return json.loads(dumps({"v": value}))["v"]

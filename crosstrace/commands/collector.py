@@ -11,7 +11,7 @@ from ..collector import security
 from ..collector.relay import Relay
 from ..collector.server import Collector
 from ..collector.wording import counted
-from ..proto.endpoint import from_url, split_host_port
+from ..proto.endpoint import split_host_port, target_of
 from .report import duration, positive
 
 
@@ -72,7 +72,7 @@ def run_args(args) -> int:
         raise ValueError(f"{relay_only[0]} goes with --forward-to ENDPOINT (relay mode)")
     if args.forward_to:
         # A clear error now, not retries for ever; http(s)://HOST:PORT as OpenTelemetry writes it
-        if split_host_port(from_url(args.forward_to)[0]) == split_host_port(args.listen):
+        if split_host_port(target_of(args.forward_to)[0]) == split_host_port(args.listen):
             raise ValueError(f"--forward-to {args.forward_to} is this collector's own --listen address: "
                              "a relay forwards to another collector")
         upstream, relay_clock = _upstream(args)
