@@ -6,6 +6,9 @@ a BatchSpanProcessor with a no-op exporter (its cheapest configuration). Rounds
 alternate between the two so that machine noise hits both alike; the medians are
 compared. Target: ratio <= 0.10, and <= 500 bytes per queued span.
 
+crosstrace runs its compiled hot path (tracer/_hotpath.c) where it was built; with
+CROSSTRACE_PURE_PYTHON=1 this measures its Python implementation instead. The output says which.
+
 A third tracer shows the floor of the API itself: OpenTelemetry's no-op tracer (what
 `trace.get_tracer()` gives where no SDK is installed), which records nothing.
 
@@ -27,7 +30,7 @@ import crosstrace
 from crosstrace.launch import CollectorProcess
 from crosstrace.tracer.clock import Clock
 from crosstrace.tracer.exporter import ExportQueue
-from crosstrace.tracer.provider import Tracer
+from crosstrace.tracer.provider import _COMPILED, Tracer
 
 
 def per_span_us(tracer, n: int) -> tuple[float, float]:
@@ -83,7 +86,8 @@ def main() -> None:
         flushed = ours.force_flush(60_000)
         ours.shutdown()
         sdk.shutdown()
-    print(f"spans per round: {args.spans}, rounds: {args.rounds}")
+    print(f"spans per round: {args.spans}, rounds: {args.rounds}; crosstrace's hot path: "
+          + ("compiled (tracer/_hotpath.c)" if _COMPILED else "Python (not built, or CROSSTRACE_PURE_PYTHON set)"))
     ratios = []
     for i, clock in enumerate(("wall", "CPU")):
         ct = statistics.median(t[i] for t in times["crosstrace"])

@@ -36,6 +36,7 @@ from ..proto.endpoint import is_loopback, split_host_port
 from . import orphans
 from .clock import Clock
 from .clock_probe import ClockProber, add_piggyback_samples
+from .compiled import QueueFields
 from .encode import FIELDS, batches, encode_spans, encoded_size
 from .spool import ChildBatches, Spool, child_spool, parent_sends, remove_if_abandoned, tell_parent
 
@@ -56,7 +57,7 @@ _AFTER_FORK_S = 2.0       # a parent polls so long after a fork even where no ch
 _HANDOVER_LOOK_S = 1.0    # and then looks (one stat) this often: a child that traces later is heard from soon
 
 
-class ExportQueue:
+class ExportQueue(QueueFields):
     """What the hot path touches: a list (extend() is atomic under the GIL, no lock),
     the clock, and a drop counter. Spans are only ever added at the end, so the exporter
     takes all that is queued with one strided slice per field and one slice deletion,
@@ -71,8 +72,7 @@ class ExportQueue:
     dict that holds a list). Reading the queue by field needs no pass over tuples.
     """
 
-    __slots__ = ("clock", "now", "queue", "max_entries", "wake_at", "wake", "dropped", "samples", "forked_at",
-                 "deferred")
+    __slots__ = ("clock", "samples", "forked_at", "deferred")   # and QueueFields', which the hot path reads
 
     def __init__(self, clock, max_queue: int, batch_size: int):
         self.clock = clock

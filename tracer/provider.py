@@ -24,6 +24,7 @@ from .config import Config
 from .encode import FIELDS
 from .exporter import Exporter, ExportQueue
 from . import sigterm
+from .compiled import SpanFields, TracerFields, hot_path
 from .span import OTEL_KIND, Span, SpanExtras, UnsampledSpan, log, own_links
 
 _random_bits = random.getrandbits
@@ -72,8 +73,14 @@ _OTEL_KIND_BY_ID = {id(kind): code for kind, code in OTEL_KIND.items()}
 _KINDS = frozenset(Kind)
 
 
-class Tracer(trace_api.Tracer):
-    __slots__ = ("_queue", "_now")
+# The compiled hot path (tracer/_hotpath.c) runs the common case of start_as_current_span
+# and of ScopedSpan's __enter__ and __exit__, where it is built and the runtime context is
+# OpenTelemetry's ContextVar, which it sets directly.
+_COMPILED = hot_path is not None and _CONTEXT_VAR is not None
+
+
+class Tracer(TracerFields, trace_api.Tracer):
+    __slots__ = ()
 
     def __init__(self, queue: ExportQueue):
         self._queue = queue
@@ -87,10 +94,11 @@ class Tracer(trace_api.Tracer):
             extras.record_exception, extras.set_status_on_exception = record_exception, set_status_on_exception
         return span
 
-    def start_as_current_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
-                              start_time=None, record_exception=True, set_status_on_exception=True,
-                              end_on_exit=True):
-        """The span starts when the `with` is entered, under the context current then (as
+    def _start_as_current_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
+                               start_time=None, record_exception=True, set_status_on_exception=True,
+                               end_on_exit=True):
+        """start_as_current_span (the compiled hot path, where built, runs its common case
+        and hands every other one to this). The span starts when the `with` is entered, under the context current then (as
         with OpenTelemetry's SDK), not when this is called."""
         if not (context is None and start_time is None and record_exception and set_status_on_exception
                 and end_on_exit):
@@ -117,6 +125,8 @@ class Tracer(trace_api.Tracer):
             if links:
                 span.extras = SpanExtras(links)
         return span
+
+    start_as_current_span = TracerFields._start_scoped if _COMPILED else _start_as_current_span
 
     def span_starter(self):
         """start(name, context, kind, attributes) -> Span: start_span without the API's
@@ -228,7 +238,11 @@ def detach_quietly(token) -> None:
     try:
         _detach(token)
     except (ValueError, RuntimeError) as exc:
-        log.debug("crosstrace: could not leave a span's context: %s", exc)
+        _could_not_leave(exc)
+
+
+def _could_not_leave(exc: Exception) -> None:
+    log.debug("crosstrace: could not leave a span's context: %s", exc)
 
 
 class ScopedSpan(Span):
@@ -237,9 +251,9 @@ class ScopedSpan(Span):
     Context and one ContextVar.set and no wrapper object. Its parent, trace id, thread and
     start are those of where and when it is entered, once (as the SDK's context manager)."""
 
-    __slots__ = ("_token",)
+    __slots__ = ()
 
-    def __enter__(self):
+    def _enter(self):
         if self.trace_id:
             raise RuntimeError(f"crosstrace: span {self.name!r} from start_as_current_span() was entered already")
         parent = _get_context()
@@ -274,11 +288,11 @@ class ScopedSpan(Span):
         self.start = self._sink.now()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def _exit(self, exc_type, exc, tb) -> None:
         try:
             _detach(self._token)
         except (ValueError, RuntimeError, TypeError) as err:   # left in another context (see
-            log.debug("crosstrace: could not leave a span's context: %s", err)   # detach_quietly), or twice
+            _could_not_leave(err)                               # detach_quietly), or twice
         except AttributeError:   # never entered: nothing to leave or end
             log.debug("crosstrace: span %r was left without being entered", self.name)
             return
@@ -299,12 +313,21 @@ class ScopedSpan(Span):
         else:
             sink.dropped += 1
 
+    __enter__, __exit__ = (SpanFields._scoped_enter, SpanFields._scoped_exit) if _COMPILED else (_enter, _exit)
+
     def __call__(self, func):
         """Used as a decorator (`@tracer.start_as_current_span(...)`): each call gets a new
         span like this one; this one is never entered nor exported."""
         links = self.extras.links if self.extras is not None else None
         return traced_calls(func, functools.partial(Tracer(self._sink).start_as_current_span, self.name, None,
                                           self.kind, self.attributes, links))
+
+
+if _COMPILED:
+    hot_path.configure(context_var=_CONTEXT_VAR, span_key=_SPAN_KEY, context_type=Context, scoped_type=ScopedSpan,
+                       enter=ScopedSpan._enter, exit=ScopedSpan._exit, start=Tracer._start_as_current_span,
+                       task_lane=_task_lane, could_not_leave=_could_not_leave, running_loop=_running_loop,
+                       internal_kind=_INTERNAL, kind_key=KIND)
 
 
 class CurrentSpan:

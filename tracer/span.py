@@ -18,6 +18,7 @@ from opentelemetry.trace.status import Status as OtelStatus, StatusCode
 
 from ..proto.attributes_json import dumps
 from ..proto.semconv import OTEL_KINDS, Kind, Status
+from .compiled import SpanFields
 
 log = logging.getLogger("crosstrace.tracer")
 
@@ -35,7 +36,7 @@ _STATUS = {StatusCode.UNSET: Status.UNSET, StatusCode.OK: Status.OK, StatusCode.
 _STATUS.update({code.value: status for code, status in _STATUS.items()})   # set_status(2), Status(2)
 
 
-class Span:
+class Span(SpanFields):
     """A recording span. Rarely used parts (status, events, links, trace state) live in
     one optional `SpanExtras`, so that the common span sets few slots.
 
@@ -44,8 +45,7 @@ class Span:
     Only Tracer makes spans, filling the slots itself (an __init__ frame is measurable).
     """
 
-    __slots__ = ("trace_id", "span_id", "parent_id", "name", "kind", "start", "end_ns", "thread",
-                 "attributes", "extras", "_sink", "__weakref__")   # (weakly referenced, as the SDK's spans can be)
+    __slots__ = ()
 
     def end(self, end_time: int | None = None) -> None:
         if self.end_ns:   # logged, as OpenTelemetry's SDK does: a warning could raise into the caller

@@ -1,0 +1,533 @@
+/* The tracer's hot path in C: what `with tracer.start_as_current_span(name, attributes=...)`
+ * runs in the common case (default flags, the current context as parent, a parent that is
+ * a plain crosstrace span or none).
+ *
+ * Python (tracer/provider.py, tracer/span.py) keeps the whole implementation: each function
+ * here hands any other case to it, unchanged, before touching anything, and Python alone
+ * runs where this module is not built (no compiler) or CROSSTRACE_PURE_PYTHON is set. What
+ * this saves is the interpreter's frames and attribute stores, not work: the steps are
+ * those of ScopedSpan.__enter__/__exit__ and Tracer.start_as_current_span, in their order.
+ *
+ * Span ids come from a xoshiro256** generator seeded from os.urandom, and seeded again in
+ * a forked child (span.py), as Python's `random` module is.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- the span's fields (tracer/span.py names them) ---------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *trace_id, *span_id, *parent_id, *name, *kind, *start, *end_ns, *thread;
+    PyObject *attributes, *extras, *sink, *token;
+    PyObject *weakrefs;
+} SpanFields;
+
+static PyTypeObject SpanFieldsType;
+
+#define FIELD(name, member) {name, T_OBJECT_EX, offsetof(SpanFields, member), 0, NULL}
+static PyMemberDef span_members[] = {
+    FIELD("trace_id", trace_id), FIELD("span_id", span_id), FIELD("parent_id", parent_id),
+    FIELD("name", name), FIELD("kind", kind), FIELD("start", start), FIELD("end_ns", end_ns),
+    FIELD("thread", thread), FIELD("attributes", attributes), FIELD("extras", extras),
+    FIELD("_sink", sink), FIELD("_token", token), {NULL}};
+
+static int span_traverse(SpanFields *self, visitproc visit, void *arg) {
+    Py_VISIT(self->trace_id); Py_VISIT(self->span_id); Py_VISIT(self->parent_id); Py_VISIT(self->name);
+    Py_VISIT(self->kind); Py_VISIT(self->start); Py_VISIT(self->end_ns); Py_VISIT(self->thread);
+    Py_VISIT(self->attributes); Py_VISIT(self->extras); Py_VISIT(self->sink); Py_VISIT(self->token);
+    return 0;
+}
+
+static int span_clear(SpanFields *self) {
+    Py_CLEAR(self->trace_id); Py_CLEAR(self->span_id); Py_CLEAR(self->parent_id); Py_CLEAR(self->name);
+    Py_CLEAR(self->kind); Py_CLEAR(self->start); Py_CLEAR(self->end_ns); Py_CLEAR(self->thread);
+    Py_CLEAR(self->attributes); Py_CLEAR(self->extras); Py_CLEAR(self->sink); Py_CLEAR(self->token);
+    return 0;
+}
+
+static void span_dealloc(SpanFields *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    span_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* ---- the export queue's fields that the hot path reads (tracer/exporter.py) ------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *now, *queue, *max_entries, *wake_at, *wake, *dropped;
+} QueueFields;
+
+#define QFIELD(name) {#name, T_OBJECT_EX, offsetof(QueueFields, name), 0, NULL}
+static PyMemberDef queue_members[] = {
+    QFIELD(now), QFIELD(queue), QFIELD(max_entries), QFIELD(wake_at), QFIELD(wake), QFIELD(dropped), {NULL}};
+
+static int queue_traverse(QueueFields *self, visitproc visit, void *arg) {
+    Py_VISIT(self->now); Py_VISIT(self->queue); Py_VISIT(self->max_entries); Py_VISIT(self->wake_at);
+    Py_VISIT(self->wake); Py_VISIT(self->dropped);
+    return 0;
+}
+
+static int queue_clear(QueueFields *self) {
+    Py_CLEAR(self->now); Py_CLEAR(self->queue); Py_CLEAR(self->max_entries); Py_CLEAR(self->wake_at);
+    Py_CLEAR(self->wake); Py_CLEAR(self->dropped);
+    return 0;
+}
+
+static void queue_dealloc(QueueFields *self) {
+    PyObject_GC_UnTrack(self);
+    queue_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject QueueFieldsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crosstrace.tracer._hotpath.QueueFields",
+    .tp_doc = "The export queue's fields that the hot path reads (tracer/exporter.py).",
+    .tp_basicsize = sizeof(QueueFields),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_traverse = (traverseproc)queue_traverse,
+    .tp_clear = (inquiry)queue_clear,
+    .tp_members = queue_members,
+};
+
+/* The queue's field, or NULL with an AttributeError where it is not set. */
+static PyObject *queue_field(PyObject *field, const char *name) {
+    if (field == NULL)
+        PyErr_Format(PyExc_AttributeError, "crosstrace: the export queue has no %s", name);
+    return field;
+}
+
+/* ---- what provider.py hands over (configure) ----------------------------------------- */
+
+static PyObject *context_var;      /* OpenTelemetry's runtime ContextVar */
+static PyObject *span_key;         /* the Context key of the current span */
+static PyObject *context_type;     /* opentelemetry.context.Context */
+static PyTypeObject *scoped_type;  /* provider.ScopedSpan */
+static PyObject *enter_py, *exit_py, *start_py;   /* the Python implementations */
+static PyObject *task_lane;        /* provider._task_lane */
+static PyObject *could_not_leave;  /* logs a context left elsewhere, as detach_quietly does */
+static PyObject *running_loop;     /* asyncio._get_running_loop */
+static PyObject *internal_kind;    /* SpanKind.INTERNAL */
+static PyObject *kind_key;         /* the attribute that names a crosstrace kind */
+
+static PyObject *kw_names[9];      /* start_as_current_span's parameters, in order */
+
+static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"context_var", "span_key", "context_type", "scoped_type", "enter", "exit",
+                            "start", "task_lane", "could_not_leave", "running_loop", "internal_kind",
+                            "kind_key", NULL};
+    PyObject *v[12];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OUOO!OOOOOOOU:configure", names, &v[0], &v[1], &v[2],
+                                     &PyType_Type, &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9], &v[10],
+                                     &v[11]))
+        return NULL;
+    PyObject **slots[12] = {&context_var, &span_key, &context_type, (PyObject **)&scoped_type, &enter_py,
+                            &exit_py, &start_py, &task_lane, &could_not_leave, &running_loop, &internal_kind,
+                            &kind_key};
+    for (int i = 0; i < 12; i++) {
+        Py_INCREF(v[i]);
+        Py_XSETREF(*slots[i], v[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- span ids: xoshiro256** ---------------------------------------------------------- */
+
+static uint64_t rng[4];
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t next64(void) {
+    uint64_t result = rotl(rng[1] * 5, 7) * 9, t = rng[1] << 17;
+    rng[2] ^= rng[0]; rng[3] ^= rng[1]; rng[1] ^= rng[2]; rng[0] ^= rng[3];
+    rng[2] ^= t; rng[3] = rotl(rng[3], 45);
+    return result;
+}
+
+static PyObject *seed(PyObject *module, PyObject *arg) {
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (buf.len != sizeof rng) {
+        PyBuffer_Release(&buf);
+        return PyErr_Format(PyExc_ValueError, "seed: %zd bytes, not %zd", buf.len, (Py_ssize_t)sizeof rng);
+    }
+    memcpy(rng, buf.buf, sizeof rng);
+    PyBuffer_Release(&buf);
+    if (!(rng[0] | rng[1] | rng[2] | rng[3]))   /* the one state xoshiro cannot leave */
+        rng[0] = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *new_span_id(void) {   /* 0 is the invalid id */
+    uint64_t id;
+    do id = next64(); while (!id);
+    return PyLong_FromUnsignedLongLong(id);
+}
+
+static PyObject *new_trace_id(void) {
+    uint64_t id[2];
+    do { id[0] = next64(); id[1] = next64(); } while (!(id[0] | id[1]));
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(id, 16, Py_ASNATIVEBYTES_LITTLE_ENDIAN);
+#else
+    unsigned char bytes[16];   /* little endian, whatever the machine's order */
+    for (int i = 0; i < 16; i++)
+        bytes[i] = (unsigned char)(id[i / 8] >> (8 * (i % 8)));
+    return _PyLong_FromByteArray(bytes, 16, 1, 0);
+#endif
+}
+
+/* ---- Tracer.start_as_current_span ------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *queue, *now;
+} TracerFields;
+
+static PyMemberDef tracer_members[] = {
+    {"_queue", T_OBJECT_EX, offsetof(TracerFields, queue), 0, NULL},
+    {"_now", T_OBJECT_EX, offsetof(TracerFields, now), 0, NULL}, {NULL}};
+
+static int tracer_traverse(TracerFields *self, visitproc visit, void *arg) {
+    Py_VISIT(self->queue); Py_VISIT(self->now);
+    return 0;
+}
+
+static int tracer_clear(TracerFields *self) {
+    Py_CLEAR(self->queue); Py_CLEAR(self->now);
+    return 0;
+}
+
+static void tracer_dealloc(TracerFields *self) {
+    PyObject_GC_UnTrack(self);
+    tracer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* `func(self, *args)` with the keywords as they came: the Python implementation's turn. */
+static PyObject *hand_over(PyObject *func, PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[16], **all = total < 16 ? small : PyMem_New(PyObject *, total + 1);
+    if (all == NULL)
+        return PyErr_NoMemory();
+    all[0] = self;
+    memcpy(all + 1, args, total * sizeof(PyObject *));
+    PyObject *result = PyObject_Vectorcall(func, all, nargs + 1, kwnames);
+    if (all != small)
+        PyMem_Free(all);
+    return result;
+}
+
+static int is_default(PyObject *value, PyObject *default_value) {
+    return value == NULL || value == default_value;
+}
+
+static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *given[9] = {NULL};   /* name, context, kind, attributes, links, start_time, and 3 flags */
+    if (nargs < 1 || nargs > 9 || scoped_type == NULL)
+        return hand_over(start_py, self, args, nargs, kwnames);
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        given[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int found = -1;
+        for (int i = 0; i < 9 && found < 0; i++)   /* keywords in code are interned: one pass by identity */
+            if (key == kw_names[i])
+                found = i;
+        for (int i = 0; i < 9 && found < 0; i++)
+            if (PyUnicode_Compare(key, kw_names[i]) == 0)
+                found = i;
+        if (found < 0 || given[found] != NULL)   /* Python says what is wrong with the call */
+            return hand_over(start_py, self, args, nargs, kwnames);
+        given[found] = args[nargs + k];
+    }
+    if (given[0] == NULL || !is_default(given[1], Py_None) || !is_default(given[2], internal_kind)
+            || !is_default(given[4], Py_None) || !is_default(given[5], Py_None) || !is_default(given[6], Py_True)
+            || !is_default(given[7], Py_True) || !is_default(given[8], Py_True))
+        return hand_over(start_py, self, args, nargs, kwnames);
+    PyObject *attributes = given[3];
+    if (attributes == NULL || attributes == Py_None || (PyDict_CheckExact(attributes) && !PyDict_GET_SIZE(attributes))) {
+        attributes = Py_NewRef(Py_None);
+    } else if (PyDict_CheckExact(attributes)) {
+        int has_kind = PyDict_Contains(attributes, kind_key);
+        if (has_kind < 0)
+            return NULL;
+        if (has_kind)
+            return hand_over(start_py, self, args, nargs, kwnames);
+        if ((attributes = PyDict_Copy(attributes)) == NULL)
+            return NULL;
+    } else {
+        return hand_over(start_py, self, args, nargs, kwnames);
+    }
+    SpanFields *span = (SpanFields *)scoped_type->tp_alloc(scoped_type, 0);
+    PyObject *span_id = new_span_id();
+    if (span == NULL || span_id == NULL) {
+        Py_XDECREF(span); Py_XDECREF(span_id); Py_DECREF(attributes);
+        return NULL;
+    }
+    PyObject *zero = PyLong_FromLong(0);   /* a cached small int: no allocation */
+    span->sink = Py_NewRef(((TracerFields *)self)->queue);
+    span->trace_id = Py_NewRef(zero);
+    span->parent_id = Py_NewRef(zero);
+    span->end_ns = Py_NewRef(zero);
+    span->kind = zero;
+    span->span_id = span_id;
+    span->name = Py_NewRef(given[0]);
+    span->extras = Py_NewRef(Py_None);
+    span->attributes = attributes;
+    return (PyObject *)span;
+}
+
+/* ---- ScopedSpan.__enter__ / __exit__ --------------------------------------------------- */
+
+static PyObject *scoped_enter(PyObject *op, PyObject *unused) {
+    SpanFields *self = (SpanFields *)op;
+    if (self->trace_id == NULL || self->sink == NULL || !PyObject_TypeCheck(self->sink, &QueueFieldsType)
+            || context_var == NULL)
+        return PyObject_CallOneArg(enter_py, op);
+    int entered = PyObject_IsTrue(self->trace_id);
+    if (entered)   /* (or an error): Python raises it */
+        return PyObject_CallOneArg(enter_py, op);
+    PyObject *parent;
+    if (PyContextVar_Get(context_var, NULL, &parent) < 0)
+        return NULL;
+    if (parent == NULL || !PyDict_Check(parent)) {
+        Py_XDECREF(parent);
+        return PyObject_CallOneArg(enter_py, op);
+    }
+    PyObject *current = PyDict_GetItemWithError(parent, span_key);   /* borrowed */
+    Py_ssize_t size = PyDict_GET_SIZE(parent);
+    PyObject *trace_id, *parent_id = NULL;
+    if (current == NULL) {
+        if (PyErr_Occurred() || size) {   /* a context with other values (baggage): Python copies them */
+            Py_DECREF(parent);
+            return PyErr_Occurred() ? NULL : PyObject_CallOneArg(enter_py, op);
+        }
+        if ((trace_id = new_trace_id()) == NULL) {
+            Py_DECREF(parent);
+            return NULL;
+        }
+    } else {   /* under a plain crosstrace span; any other parent is Python's to judge */
+        SpanFields *under = (SpanFields *)current;
+        if (size != 1 || !PyObject_TypeCheck(current, &SpanFieldsType) || under->extras != Py_None
+                || under->trace_id == NULL || under->span_id == NULL) {
+            Py_DECREF(parent);
+            return PyObject_CallOneArg(enter_py, op);
+        }
+        trace_id = Py_NewRef(under->trace_id);
+        parent_id = Py_NewRef(under->span_id);
+    }
+    Py_DECREF(parent);
+    Py_SETREF(self->trace_id, trace_id);
+    if (parent_id != NULL)
+        Py_XSETREF(self->parent_id, parent_id);
+    PyObject *context = PyObject_CallNoArgs(context_type);
+    if (context == NULL)
+        return NULL;
+    if (PyDict_SetItem(context, span_key, op) < 0) {   /* dict's own: Context refuses item assignment */
+        Py_DECREF(context);
+        return NULL;
+    }
+    PyObject *token = PyContextVar_Set(context_var, context);
+    Py_DECREF(context);
+    if (token == NULL)
+        return NULL;
+    Py_XSETREF(self->token, token);
+    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (thread == NULL)
+        return NULL;
+    PyObject *loop = PyObject_CallNoArgs(running_loop);
+    if (loop == NULL) {
+        Py_DECREF(thread);
+        return NULL;
+    }
+    if (loop != Py_None) {   /* asyncio: the task is the lane */
+        Py_SETREF(thread, PyObject_CallOneArg(task_lane, thread));
+        if (thread == NULL) {
+            Py_DECREF(loop);
+            return NULL;
+        }
+    }
+    Py_DECREF(loop);
+    Py_XSETREF(self->thread, thread);
+    PyObject *now = queue_field(((QueueFields *)self->sink)->now, "now");
+    PyObject *start = now ? PyObject_CallNoArgs(now) : NULL;
+    if (start == NULL)
+        return NULL;
+    Py_XSETREF(self->start, start);
+    return Py_NewRef(op);
+}
+
+/* What Span.end() does, the end time read now: the span's fields onto the export queue. */
+static int queue_span(SpanFields *self) {
+    QueueFields *sink = (QueueFields *)self->sink;
+    PyObject *now = queue_field(sink->now, "now");
+    PyObject *end = now ? PyObject_CallNoArgs(now) : NULL;
+    if (end == NULL)
+        return -1;
+    Py_XSETREF(self->end_ns, end);
+    PyObject *queue = queue_field(sink->queue, "queue");
+    PyObject *max_entries = queue_field(sink->max_entries, "max_entries");
+    if (queue == NULL || max_entries == NULL)
+        return -1;
+    if (!PyList_Check(queue)) {
+        PyErr_SetString(PyExc_TypeError, "crosstrace: the export queue is not a list");
+        return -1;
+    }
+    Py_ssize_t room = PyLong_AsSsize_t(max_entries);
+    if (room == -1 && PyErr_Occurred())
+        return -1;
+    if (PyList_GET_SIZE(queue) >= room) {
+        PyObject *dropped = queue_field(sink->dropped, "dropped");
+        PyObject *one = PyLong_FromLong(1);
+        PyObject *more = dropped ? PyNumber_Add(dropped, one) : NULL;
+        Py_DECREF(one);
+        if (more == NULL)
+            return -1;
+        Py_SETREF(sink->dropped, more);
+        return 0;
+    }
+    Py_INCREF(queue);   /* (held: an append could run a finalizer that swaps the queue) */
+    /* In one go, holding the GIL, as list.extend: no other thread's fields come between. */
+    PyObject *fields[10] = {self->trace_id, self->span_id, self->parent_id, self->name, self->kind,
+                            self->start, end, self->thread, self->extras, self->attributes};
+    for (int i = 0; i < 10; i++) {
+        if (PyList_Append(queue, fields[i]) < 0) {
+            Py_DECREF(queue);
+            return -1;
+        }
+    }
+    Py_ssize_t size = PyList_GET_SIZE(queue);
+    Py_DECREF(queue);
+    PyObject *wake_at = queue_field(sink->wake_at, "wake_at");
+    Py_ssize_t at = wake_at ? PyLong_AsSsize_t(wake_at) : -1;
+    if (at == -1 && PyErr_Occurred())
+        return -1;
+    if (size == at) {
+        PyObject *wake = queue_field(sink->wake, "wake");
+        PyObject *result = wake ? PyObject_CallNoArgs(wake) : NULL;
+        if (result == NULL)
+            return -1;
+        Py_DECREF(result);
+    }
+    return 0;
+}
+
+static PyObject *scoped_exit(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
+    SpanFields *self = (SpanFields *)op;
+    if (nargs != 3 || args[1] != Py_None || self->sink == NULL || !PyObject_TypeCheck(self->sink, &QueueFieldsType)
+            || self->token == NULL || self->token == Py_None || self->end_ns == NULL
+            || self->start == NULL || self->thread == NULL || self->attributes == NULL || self->extras == NULL
+            || self->name == NULL || self->kind == NULL || self->span_id == NULL || self->parent_id == NULL)
+        return PyObject_Vectorcall(exit_py, (PyObject *[]){op, nargs > 0 ? args[0] : Py_None,
+                                                           nargs > 1 ? args[1] : Py_None,
+                                                           nargs > 2 ? args[2] : Py_None}, 4, NULL);
+    if (PyContextVar_Reset(context_var, self->token) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError) && !PyErr_ExceptionMatches(PyExc_RuntimeError)
+                && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyObject *type, *value, *tb;   /* left in another context: logged, and the span ends */
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyObject *logged = PyObject_CallOneArg(could_not_leave, value ? value : Py_None);
+        Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+        if (logged == NULL)
+            return NULL;
+        Py_DECREF(logged);
+    }
+    Py_SETREF(self->token, Py_NewRef(Py_None));
+    int ended = PyObject_IsTrue(self->end_ns);
+    if (ended < 0)
+        return NULL;
+    if (!ended && queue_span(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- the types and the module ------------------------------------------------------- */
+
+static PyMethodDef span_methods[] = {
+    {"_scoped_enter", scoped_enter, METH_NOARGS, "ScopedSpan.__enter__, its common case (provider.py)."},
+    {"_scoped_exit", (PyCFunction)(void (*)(void))scoped_exit, METH_FASTCALL,
+     "ScopedSpan.__exit__, its common case (provider.py)."},
+    {NULL}};
+
+static PyTypeObject SpanFieldsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crosstrace.tracer._hotpath.SpanFields",
+    .tp_doc = "A span's fields, as slots (tracer/span.py).",
+    .tp_basicsize = sizeof(SpanFields),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)span_dealloc,
+    .tp_traverse = (traverseproc)span_traverse,
+    .tp_clear = (inquiry)span_clear,
+    .tp_weaklistoffset = offsetof(SpanFields, weakrefs),
+    .tp_members = span_members,
+    .tp_methods = span_methods,
+};
+
+static PyMethodDef tracer_methods[] = {
+    {"_start_scoped", (PyCFunction)(void (*)(void))start_scoped, METH_FASTCALL | METH_KEYWORDS,
+     "start_as_current_span($self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=None, "
+     "start_time=None, record_exception=True, set_status_on_exception=True, end_on_exit=True)\n--\n\n"
+     "Tracer.start_as_current_span, its common case (provider.py)."},
+    {NULL}};
+
+static PyTypeObject TracerFieldsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crosstrace.tracer._hotpath.TracerFields",
+    .tp_doc = "A tracer's fields (tracer/provider.py).",
+    .tp_basicsize = sizeof(TracerFields),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)tracer_dealloc,
+    .tp_traverse = (traverseproc)tracer_traverse,
+    .tp_clear = (inquiry)tracer_clear,
+    .tp_members = tracer_members,
+    .tp_methods = tracer_methods,
+};
+
+static PyMethodDef module_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
+     "Hand over the Python objects the hot path uses (provider.py, once)."},
+    {"seed", seed, METH_O, "Seed the span id generator with 32 bytes (os.urandom)."},
+    {NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "crosstrace.tracer._hotpath",
+    "The tracer's hot path in C; tracer/provider.py has the whole of it in Python.", -1, module_methods};
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+    /* object's own __new__, so that object.__new__(ScopedSpan) stays valid, as with slots */
+    SpanFieldsType.tp_new = PyBaseObject_Type.tp_new;
+    TracerFieldsType.tp_new = PyBaseObject_Type.tp_new;
+    QueueFieldsType.tp_new = PyBaseObject_Type.tp_new;
+    if (PyType_Ready(&SpanFieldsType) < 0 || PyType_Ready(&TracerFieldsType) < 0
+            || PyType_Ready(&QueueFieldsType) < 0)
+        return NULL;
+    static const char *params[9] = {"name", "context", "kind", "attributes", "links", "start_time",
+                                    "record_exception", "set_status_on_exception", "end_on_exit"};
+    for (int i = 0; i < 9; i++)
+        if ((kw_names[i] = PyUnicode_InternFromString(params[i])) == NULL)
+            return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "SpanFields", (PyObject *)&SpanFieldsType) < 0
+            || PyModule_AddObjectRef(module, "TracerFields", (PyObject *)&TracerFieldsType) < 0
+            || PyModule_AddObjectRef(module, "QueueFields", (PyObject *)&QueueFieldsType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
