@@ -111,6 +111,137 @@ print(json.dumps({"compiled": _COMPILED, "grown": grown, "wakes": wakes[:50], "d
 """
 
 
+# What the compiled path must not crash on, and answer as Python does: objects it holds
+# changed or freed by Python code that runs inside it (a clock, a finalizer, a log filter),
+# unset fields, limits that are not plain ints, a queue that is not a list, odd calls.
+ODD_CASES = r"""
+import collections, contextvars, gc, logging, sys
+from crosstrace.tracer.clock import Clock
+from crosstrace.tracer.exporter import ExportQueue
+from crosstrace.tracer.provider import Tracer
+
+def made(max_queue=100, batch_size=10):
+    queue = ExportQueue(Clock(), max_queue, batch_size)
+    return queue, Tracer(queue)
+
+def outcome(case, run):
+    try:
+        result = run()
+        print(case, "ok", result)
+    except Exception as exc:
+        print(case, type(exc).__name__)
+    sys.stdout.flush()
+
+def no_queue():
+    queue, tracer = made()
+    del tracer._queue
+    tracer.start_as_current_span("x")
+outcome("tracer without a queue", no_queue)
+
+def trace_id_deleted():
+    queue, tracer = made()
+    with tracer.start_as_current_span("x") as span:
+        del span.trace_id
+outcome("trace id deleted inside", trace_id_deleted)
+
+class Once:
+    raised = False
+    def __bool__(self):
+        if not Once.raised:
+            Once.raised = True
+            raise KeyError("first")
+        return False
+def trace_id_raises():
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x")
+    span.trace_id = Once()
+    span.__enter__()
+outcome("trace id whose truth raises", trace_id_raises)
+
+def sink_swapped_by_its_clock():
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x")
+    span.__enter__()
+    other = ExportQueue(Clock(), 100, 10)
+    def now():
+        span._sink = queue   # the last reference to `other`
+        [[i] for i in range(2000)]
+        return 5
+    other.now = now
+    span._sink = other
+    del other
+    span.__exit__(None, None, None)
+    return len(queue.queue)
+outcome("queue freed by its own clock", sink_swapped_by_its_clock)
+
+class Finalizer:
+    def __init__(self, span):
+        self.span, self.me = span, self   # a cycle: only a collection frees it
+    def __del__(self):
+        try:
+            del self.span._sink
+        except AttributeError:
+            pass
+def sink_deleted_by_a_collection(threshold):
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x")
+    gc.collect()
+    Finalizer(span)
+    gc.set_threshold(threshold)
+    try:
+        with span:
+            pass
+    finally:
+        gc.set_threshold(700)
+for threshold in range(1, 8):
+    outcome(f"queue deleted by a collection ({threshold})", lambda: sink_deleted_by_a_collection(threshold))
+
+def sink_replaced_by_a_log_filter():
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x")
+    contextvars.copy_context().run(span.__enter__)
+    class Replace(logging.Filter):
+        def filter(self, record):
+            span._sink = "elsewhere"
+            return False
+    log = logging.getLogger("crosstrace.tracer")
+    log.setLevel(logging.DEBUG)
+    log.addFilter(Replace())
+    try:
+        span.__exit__(None, None, None)
+    finally:
+        log.filters.clear()
+outcome("queue replaced while leaving another context", sink_replaced_by_a_log_filter)
+
+def limits(max_entries, wake_at, queue_list=None):
+    queue, tracer = made(1e6, 8.0)
+    if max_entries is not None:
+        queue.max_entries = max_entries
+    queue.wake_at = wake_at
+    queue.wake = lambda: woken.append(1)
+    if queue_list is not None:
+        queue.queue = queue_list
+    woken = []
+    for _ in range(12):
+        with tracer.start_as_current_span("x"):
+            pass
+    return len(queue.queue), len(woken), queue.dropped
+outcome("float limits", lambda: limits(None, 40.0))
+outcome("limits beyond 64 bits", lambda: limits(2 ** 70, None))
+outcome("a deque for a queue", lambda: limits(60, 30, collections.deque()))
+
+def exit_called(*args, **kwargs):
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x")
+    span.__enter__()
+    span.__exit__(*args, **kwargs)
+    return len(queue.queue)
+outcome("exit with no arguments", lambda: exit_called())
+outcome("exit with four", lambda: exit_called(None, None, None, None))
+outcome("exit with keywords", lambda: exit_called(exc_type=None, exc=None, tb=None))
+"""
+
+
 def _scenario(env=None) -> dict:
     return json.loads(run_python(SCENARIO, env=env, args=("300",), timeout=120).stdout)
 
@@ -140,12 +271,39 @@ def test_compiled_and_python_record_every_case_alike():
             "decorated", "in a task"} <= names
 
 
+@pytest.mark.skipif(compiled.hot_path is None, reason="no compiled hot path here")
+def test_compiled_and_python_answer_odd_cases_alike():
+    ours, python = (run_python(ODD_CASES, env=env, timeout=120).stdout.splitlines() for env in ({}, PURE))
+    assert len(ours) == 18
+    assert ours == python
+
+
 def test_the_python_implementation_alone_passes_the_api_tests():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                              os.path.join("tests", "test_otel_api.py")], cwd=REPO, capture_output=True,
                             text=True, timeout=600, env={**os.environ, **PURE})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
+
+
+@pytest.mark.skipif(compiled.hot_path is None, reason="no compiled hot path here")
+def test_compiled_columns_are_numpys():
+    """The exporter's columns: the same bytes as numpy makes, and an error where numpy's
+    (or int.to_bytes's) raises, so that the exporter finds the span that cannot be encoded."""
+    import numpy as np
+    hot = compiled.hot_path
+    u64 = [0, 1, 2 ** 63, 2 ** 64 - 1, True, 12345678901234567]
+    i64 = [0, -1, -2 ** 63, 2 ** 63 - 1, 1_700_000_000_000_000_000]
+    u128 = [1, 2 ** 64, 2 ** 128 - 1, 0xDEADBEEF << 70]
+    assert hot.pack_u64(u64) == np.fromiter(u64, "<u8").tobytes()
+    assert hot.pack_i64(i64) == np.fromiter(i64, "<i8").tobytes()
+    pairs = np.frombuffer(b"".join(t.to_bytes(16, "little") for t in u128), "<u8")
+    assert hot.pack_u128(u128) == (pairs[1::2].tobytes(), pairs[0::2].tobytes())
+    assert hot.pack_u64([]) == b"" and hot.pack_u128([]) == (b"", b"")
+    for pack, bad in ((hot.pack_u64, -1), (hot.pack_u64, 2 ** 64), (hot.pack_i64, 2 ** 63), (hot.pack_u64, None),
+                      (hot.pack_u128, -1), (hot.pack_u128, 2 ** 128), (hot.pack_u128, "1")):
+        with pytest.raises((OverflowError, TypeError)):
+            pack([1, bad])
 
 
 @pytest.mark.parametrize("env", [{}, PURE], ids=["as installed", "python"])

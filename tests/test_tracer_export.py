@@ -870,20 +870,27 @@ def test_clock_probes_never_hold_up_the_export(collector):
     exporter's thread held the export up that long, and a busy loop filled the queue: 52,494
     of 600,000 spans were lost in the first second. The stream is opened first (one span,
     flushed): opening it starts gRPC's threads, which under the busy loop took long enough,
-    once in about 50 runs, to fill this small queue before any probe ran."""
+    once in about 50 runs, to fill this small queue before any probe ran.
+    The program keeps the GIL busy throughout but opens spans at 250k a second: 150 ms of
+    export held up is then 37,500 spans, more than the queue holds. (A loop that only opens
+    spans, a million a second with the compiled hot path, outruns the export here with no
+    probe at all: this machine's 2 cores also run the collector, README.)"""
     out = run_python("""
         import time, crosstrace
-        p = crosstrace.init(max_queue=32768, clock_probe_interval_s=0.05)
+        p = crosstrace.init(max_queue=16384, clock_probe_interval_s=0.05)
         t = p.get_tracer("t")
         with t.start_as_current_span("first"):
             pass
         assert p.force_flush(30000)
-        n, end = 1, time.monotonic() + 0.7
+        n, start = 1, time.monotonic()
+        end = start + 0.7
         while time.monotonic() < end:
             for _ in range(1000):
                 with t.start_as_current_span("busy"):
                     pass
             n += 1000
+            while time.monotonic() < start + n / 250_000:   # busy, holding the GIL, between spans
+                pass
         print(n, p.dropped_spans, p.force_flush(60000))
     """, env=tracer_env(collector, "busy"), timeout=120)
     spans, dropped, flushed = out.stdout.split()

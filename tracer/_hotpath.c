@@ -98,12 +98,19 @@ static PyTypeObject QueueFieldsType = {
     .tp_members = queue_members,
 };
 
-/* The queue's field, or NULL with an AttributeError where it is not set. */
-static PyObject *queue_field(PyObject *field, const char *name) {
-    if (field == NULL)
-        PyErr_Format(PyExc_AttributeError, "crosstrace: the export queue has no %s", name);
-    return field;
+static PyObject *s_now, *s_queue, *s_max_entries, *s_wake_at, *s_wake, *s_dropped, *s_extend;
+
+/* The export queue's field, a new reference: from the struct where the queue is of this
+ * type and has it, else as Python reads it (another object; the AttributeError of one unset). */
+static PyObject *sink_get(PyObject *sink, size_t offset, PyObject *name) {
+    if (PyObject_TypeCheck(sink, &QueueFieldsType)) {
+        PyObject *value = *(PyObject **)((char *)sink + offset);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(sink, name);
 }
+#define SINK(sink, field) sink_get(sink, offsetof(QueueFields, field), s_##field)
 
 /* ---- what provider.py hands over (configure) ----------------------------------------- */
 
@@ -234,7 +241,7 @@ static int is_default(PyObject *value, PyObject *default_value) {
 
 static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *given[9] = {NULL};   /* name, context, kind, attributes, links, start_time, and 3 flags */
-    if (nargs < 1 || nargs > 9 || scoped_type == NULL)
+    if (nargs < 1 || nargs > 9 || scoped_type == NULL || ((TracerFields *)self)->queue == NULL)
         return hand_over(start_py, self, args, nargs, kwnames);
     for (Py_ssize_t i = 0; i < nargs; i++)
         given[i] = args[i];
@@ -291,13 +298,30 @@ static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* ---- ScopedSpan.__enter__ / __exit__ --------------------------------------------------- */
 
+/* A span's field, a new reference, or the AttributeError Python raises where it is unset
+ * (Python code run meanwhile, a finalizer say, can delete it). */
+static PyObject *span_get(PyObject *op, PyObject *field, const char *name) {
+    return field != NULL ? Py_NewRef(field) : PyObject_GetAttrString(op, name);
+}
+
+/* sink.now(), as Python calls it. */
+static PyObject *sink_now(PyObject *op) {
+    PyObject *sink = span_get(op, ((SpanFields *)op)->sink, "_sink");
+    PyObject *now = sink ? SINK(sink, now) : NULL;
+    PyObject *t = now ? PyObject_CallNoArgs(now) : NULL;
+    Py_XDECREF(now);
+    Py_XDECREF(sink);
+    return t;
+}
+
 static PyObject *scoped_enter(PyObject *op, PyObject *unused) {
     SpanFields *self = (SpanFields *)op;
-    if (self->trace_id == NULL || self->sink == NULL || !PyObject_TypeCheck(self->sink, &QueueFieldsType)
-            || context_var == NULL)
+    if (self->trace_id == NULL || context_var == NULL)
         return PyObject_CallOneArg(enter_py, op);
     int entered = PyObject_IsTrue(self->trace_id);
-    if (entered)   /* (or an error): Python raises it */
+    if (entered < 0)
+        return NULL;
+    if (entered)   /* Python raises what that is */
         return PyObject_CallOneArg(enter_py, op);
     PyObject *parent;
     if (PyContextVar_Get(context_var, NULL, &parent) < 0)
@@ -361,79 +385,133 @@ static PyObject *scoped_enter(PyObject *op, PyObject *unused) {
     }
     Py_DECREF(loop);
     Py_XSETREF(self->thread, thread);
-    PyObject *now = queue_field(((QueueFields *)self->sink)->now, "now");
-    PyObject *start = now ? PyObject_CallNoArgs(now) : NULL;
+    PyObject *start = sink_now(op);
     if (start == NULL)
         return NULL;
     Py_XSETREF(self->start, start);
     return Py_NewRef(op);
 }
 
-/* What Span.end() does, the end time read now: the span's fields onto the export queue. */
-static int queue_span(SpanFields *self) {
-    QueueFields *sink = (QueueFields *)self->sink;
-    PyObject *now = queue_field(sink->now, "now");
-    PyObject *end = now ? PyObject_CallNoArgs(now) : NULL;
-    if (end == NULL)
-        return -1;
-    Py_XSETREF(self->end_ns, end);
-    PyObject *queue = queue_field(sink->queue, "queue");
-    PyObject *max_entries = queue_field(sink->max_entries, "max_entries");
-    if (queue == NULL || max_entries == NULL)
-        return -1;
-    if (!PyList_Check(queue)) {
-        PyErr_SetString(PyExc_TypeError, "crosstrace: the export queue is not a list");
-        return -1;
-    }
-    Py_ssize_t room = PyLong_AsSsize_t(max_entries);
-    if (room == -1 && PyErr_Occurred())
-        return -1;
-    if (PyList_GET_SIZE(queue) >= room) {
-        PyObject *dropped = queue_field(sink->dropped, "dropped");
-        PyObject *one = PyLong_FromLong(1);
-        PyObject *more = dropped ? PyNumber_Add(dropped, one) : NULL;
-        Py_DECREF(one);
-        if (more == NULL)
+/* n < limit (op Py_LT) or n == limit (Py_EQ), as Python compares them: a limit need not
+ * be an int that fits a Py_ssize_t (max_queue=1e6 is a float). */
+static int compare_size(Py_ssize_t n, PyObject *limit, int op) {
+    if (PyLong_CheckExact(limit)) {
+        int overflow;
+        long long bound = PyLong_AsLongLongAndOverflow(limit, &overflow);
+        if (bound == -1 && PyErr_Occurred())
             return -1;
-        Py_SETREF(sink->dropped, more);
-        return 0;
+        if (overflow)
+            return op == Py_LT ? overflow > 0 : 0;
+        return op == Py_LT ? n < bound : n == bound;
     }
-    Py_INCREF(queue);   /* (held: an append could run a finalizer that swaps the queue) */
-    /* In one go, holding the GIL, as list.extend: no other thread's fields come between. */
-    PyObject *fields[10] = {self->trace_id, self->span_id, self->parent_id, self->name, self->kind,
-                            self->start, end, self->thread, self->extras, self->attributes};
+    PyObject *size = PyLong_FromSsize_t(n);
+    int result = size ? PyObject_RichCompareBool(size, limit, op) : -1;
+    Py_XDECREF(size);
+    return result;
+}
+
+/* queue.extend(fields): a list's in one go, holding the GIL (no other thread's fields come
+ * between), and nothing of the span left in it where that fails part way. */
+static int extend(PyObject *queue, PyObject **fields) {
+    if (!PyList_CheckExact(queue)) {
+        PyObject *row = PyTuple_New(10);
+        if (row == NULL)
+            return -1;
+        for (int i = 0; i < 10; i++)
+            PyTuple_SET_ITEM(row, i, Py_NewRef(fields[i]));
+        PyObject *result = PyObject_CallMethodOneArg(queue, s_extend, row);
+        Py_DECREF(row);
+        Py_XDECREF(result);
+        return result ? 0 : -1;
+    }
+    Py_ssize_t start = PyList_GET_SIZE(queue);
     for (int i = 0; i < 10; i++) {
         if (PyList_Append(queue, fields[i]) < 0) {
-            Py_DECREF(queue);
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyList_SetSlice(queue, start, PyList_GET_SIZE(queue), NULL);
+            PyErr_Restore(type, value, tb);
             return -1;
         }
-    }
-    Py_ssize_t size = PyList_GET_SIZE(queue);
-    Py_DECREF(queue);
-    PyObject *wake_at = queue_field(sink->wake_at, "wake_at");
-    Py_ssize_t at = wake_at ? PyLong_AsSsize_t(wake_at) : -1;
-    if (at == -1 && PyErr_Occurred())
-        return -1;
-    if (size == at) {
-        PyObject *wake = queue_field(sink->wake, "wake");
-        PyObject *result = wake ? PyObject_CallNoArgs(wake) : NULL;
-        if (result == NULL)
-            return -1;
-        Py_DECREF(result);
     }
     return 0;
 }
 
-static PyObject *scoped_exit(PyObject *op, PyObject *const *args, Py_ssize_t nargs) {
+/* Span.end() without an end time, as ScopedSpan._exit has it inline: the span's fields
+ * onto the export queue. Every object is held while Python code (the clock, a finalizer)
+ * could change what the span or the queue refer to. */
+static int queue_span(PyObject *op) {
     SpanFields *self = (SpanFields *)op;
-    if (nargs != 3 || args[1] != Py_None || self->sink == NULL || !PyObject_TypeCheck(self->sink, &QueueFieldsType)
-            || self->token == NULL || self->token == Py_None || self->end_ns == NULL
-            || self->start == NULL || self->thread == NULL || self->attributes == NULL || self->extras == NULL
-            || self->name == NULL || self->kind == NULL || self->span_id == NULL || self->parent_id == NULL)
-        return PyObject_Vectorcall(exit_py, (PyObject *[]){op, nargs > 0 ? args[0] : Py_None,
-                                                           nargs > 1 ? args[1] : Py_None,
-                                                           nargs > 2 ? args[2] : Py_None}, 4, NULL);
-    if (PyContextVar_Reset(context_var, self->token) < 0) {
+    PyObject *sink = span_get(op, self->sink, "_sink");
+    if (sink == NULL)
+        return -1;
+    PyObject *end = NULL, *queue = NULL, *limit = NULL, *fields[10] = {NULL};
+    int rc = -1;
+    PyObject *now = SINK(sink, now);
+    if (now == NULL || (end = PyObject_CallNoArgs(now)) == NULL)
+        goto done;
+    Py_XSETREF(self->end_ns, Py_NewRef(end));
+    if ((queue = SINK(sink, queue)) == NULL)
+        goto done;
+    Py_ssize_t size = PyList_CheckExact(queue) ? PyList_GET_SIZE(queue) : PyObject_Size(queue);
+    if (size < 0 || (limit = SINK(sink, max_entries)) == NULL)
+        goto done;
+    int room = compare_size(size, limit, Py_LT);
+    if (room < 0)
+        goto done;
+    if (!room) {
+        PyObject *dropped = SINK(sink, dropped), *one = PyLong_FromLong(1);
+        PyObject *more = dropped ? PyNumber_Add(dropped, one) : NULL;
+        Py_XDECREF(dropped);
+        Py_DECREF(one);
+        rc = more ? PyObject_SetAttr(sink, s_dropped, more) : -1;
+        Py_XDECREF(more);
+        goto done;
+    }
+    static const char *names[10] = {"trace_id", "span_id", "parent_id", "name", "kind", "start", NULL, "thread",
+                                    "extras", "attributes"};
+    PyObject *slots[10] = {self->trace_id, self->span_id, self->parent_id, self->name, self->kind, self->start,
+                           end, self->thread, self->extras, self->attributes};
+    for (int i = 0; i < 10; i++)   /* (held: each read can run Python code where one is unset) */
+        if ((fields[i] = span_get(op, slots[i], names[i])) == NULL)
+            goto done;
+    if (extend(queue, fields) < 0)
+        goto done;
+    size = PyList_CheckExact(queue) ? PyList_GET_SIZE(queue) : PyObject_Size(queue);
+    Py_CLEAR(limit);
+    if (size < 0 || (limit = SINK(sink, wake_at)) == NULL)
+        goto done;
+    int wake = compare_size(size, limit, Py_EQ);
+    if (wake < 0)
+        goto done;
+    if (wake) {
+        PyObject *call = SINK(sink, wake);
+        PyObject *result = call ? PyObject_CallNoArgs(call) : NULL;
+        Py_XDECREF(call);
+        if (result == NULL)
+            goto done;
+        Py_DECREF(result);
+    }
+    rc = 0;
+done:
+    for (int i = 0; i < 10; i++)
+        Py_XDECREF(fields[i]);
+    Py_XDECREF(limit);
+    Py_XDECREF(queue);
+    Py_XDECREF(end);
+    Py_XDECREF(now);
+    Py_DECREF(sink);
+    return rc;
+}
+
+static PyObject *scoped_exit(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    SpanFields *self = (SpanFields *)op;
+    if (nargs != 3 || kwnames != NULL || args[1] != Py_None || self->token == NULL || self->token == Py_None)
+        return hand_over(exit_py, op, args, nargs, kwnames);
+    PyObject *token = Py_NewRef(self->token);
+    int reset = PyContextVar_Reset(context_var, token);
+    Py_DECREF(token);
+    if (reset < 0) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError) && !PyErr_ExceptionMatches(PyExc_RuntimeError)
                 && !PyErr_ExceptionMatches(PyExc_TypeError))
             return NULL;
@@ -446,20 +524,97 @@ static PyObject *scoped_exit(PyObject *op, PyObject *const *args, Py_ssize_t nar
             return NULL;
         Py_DECREF(logged);
     }
-    Py_SETREF(self->token, Py_NewRef(Py_None));
-    int ended = PyObject_IsTrue(self->end_ns);
-    if (ended < 0)
-        return NULL;
-    if (!ended && queue_span(self) < 0)
+    Py_XSETREF(self->token, Py_NewRef(Py_None));
+    PyObject *end_ns = span_get(op, self->end_ns, "end_ns");
+    int ended = end_ns ? PyObject_IsTrue(end_ns) : -1;
+    Py_XDECREF(end_ns);
+    if (ended < 0 || (!ended && queue_span(op) < 0))
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* ---- the exporter's columns (tracer/encode.py) ----------------------------------------- */
+
+static void put_le64(unsigned char *out, uint64_t v) {
+    for (int i = 0; i < 8; i++)
+        out[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* A list of ints as one little-endian u64 (signed: i64) column; OverflowError or TypeError
+ * for a value that is not one, as numpy's fromiter raises (the exporter then finds its span). */
+static PyObject *pack64(PyObject *values, int is_signed) {
+    PyObject *seq = PySequence_Fast(values, "crosstrace: a column must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out != NULL) {
+        unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(out);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t v = is_signed ? (uint64_t)PyLong_AsLongLong(items[i]) : PyLong_AsUnsignedLongLong(items[i]);
+            if (v == (uint64_t)-1 && PyErr_Occurred()) {
+                Py_CLEAR(out);
+                break;
+            }
+            put_le64(bytes + 8 * i, v);
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *pack_u64(PyObject *module, PyObject *values) { return pack64(values, 0); }
+static PyObject *pack_i64(PyObject *module, PyObject *values) { return pack64(values, 1); }
+
+/* A list of 128-bit ints as two little-endian u64 columns: (high halves, low halves). */
+static PyObject *pack_u128(PyObject *module, PyObject *values) {
+    PyObject *seq = PySequence_Fast(values, "crosstrace: a column must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *hi = PyBytes_FromStringAndSize(NULL, n * 8), *lo = PyBytes_FromStringAndSize(NULL, n * 8);
+    PyObject *result = NULL;
+    if (hi != NULL && lo != NULL) {
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        unsigned char id[16];
+        Py_ssize_t i = 0;
+        for (; i < n; i++) {
+            if (!PyLong_Check(items[i])) {
+                PyErr_Format(PyExc_TypeError, "crosstrace: a trace id must be an int, not %.100s",
+                             Py_TYPE(items[i])->tp_name);
+                break;
+            }
+#if PY_VERSION_HEX >= 0x030D0000
+            Py_ssize_t needed = PyLong_AsNativeBytes(items[i], id, 16, Py_ASNATIVEBYTES_LITTLE_ENDIAN
+                                                     | Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
+            if (needed < 0)
+                break;
+            if (needed > 16) {
+                PyErr_SetString(PyExc_OverflowError, "crosstrace: a trace id over 128 bits");
+                break;
+            }
+#else
+            if (_PyLong_AsByteArray((PyLongObject *)items[i], id, 16, 1, 0) < 0)
+                break;
+#endif
+            memcpy(PyBytes_AS_STRING(lo) + 8 * i, id, 8);
+            memcpy(PyBytes_AS_STRING(hi) + 8 * i, id + 8, 8);
+        }
+        if (i == n)
+            result = PyTuple_Pack(2, hi, lo);
+    }
+    Py_XDECREF(hi);
+    Py_XDECREF(lo);
+    Py_DECREF(seq);
+    return result;
 }
 
 /* ---- the types and the module ------------------------------------------------------- */
 
 static PyMethodDef span_methods[] = {
     {"_scoped_enter", scoped_enter, METH_NOARGS, "ScopedSpan.__enter__, its common case (provider.py)."},
-    {"_scoped_exit", (PyCFunction)(void (*)(void))scoped_exit, METH_FASTCALL,
+    {"_scoped_exit", (PyCFunction)(void (*)(void))scoped_exit, METH_FASTCALL | METH_KEYWORDS,
      "ScopedSpan.__exit__, its common case (provider.py)."},
     {NULL}};
 
@@ -501,6 +656,9 @@ static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
      "Hand over the Python objects the hot path uses (provider.py, once)."},
     {"seed", seed, METH_O, "Seed the span id generator with 32 bytes (os.urandom)."},
+    {"pack_u64", pack_u64, METH_O, "A list of ints as one little-endian u64 column (bytes)."},
+    {"pack_i64", pack_i64, METH_O, "A list of ints as one little-endian i64 column (bytes)."},
+    {"pack_u128", pack_u128, METH_O, "A list of 128-bit ints as (high, low) little-endian u64 columns."},
     {NULL}};
 
 static struct PyModuleDef module_def = {
@@ -519,6 +677,11 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
                                     "record_exception", "set_status_on_exception", "end_on_exit"};
     for (int i = 0; i < 9; i++)
         if ((kw_names[i] = PyUnicode_InternFromString(params[i])) == NULL)
+            return NULL;
+    const char *fields[7] = {"now", "queue", "max_entries", "wake_at", "wake", "dropped", "extend"};
+    PyObject **strings[7] = {&s_now, &s_queue, &s_max_entries, &s_wake_at, &s_wake, &s_dropped, &s_extend};
+    for (int i = 0; i < 7; i++)
+        if ((*strings[i] = PyUnicode_InternFromString(fields[i])) == NULL)
             return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
