@@ -19,23 +19,20 @@ def _column(dtype: np.dtype, values, n: int) -> bytes:
     return np.fromiter(values, dtype=dtype, count=n).tobytes()
 
 
-def _u64_column(values: list) -> bytes:
-    return _column(_U64, values, len(values))
-
-
-def _i64_column(values: list) -> bytes:
-    return _column(_I64, values, len(values))
-
-
-def _u128_columns(ids: list) -> tuple[bytes, bytes]:
-    """128-bit ids as (high, low) u64 columns: 16 little-endian bytes each, read as (lo, hi)
-    pairs of u64 (half the cost of shifts)."""
-    pairs = np.frombuffer(b"".join([t.to_bytes(16, "little") for t in ids]), _U64)
-    return pairs[1::2].tobytes(), pairs[0::2].tobytes()
-
-
-if hot_path is not None:   # the same columns in C, several times faster: encoding holds the GIL
+if hot_path is not None:   # the id and time columns in C, several times faster: encoding holds the GIL
     _u64_column, _i64_column, _u128_columns = hot_path.pack_u64, hot_path.pack_i64, hot_path.pack_u128
+else:
+    def _u64_column(values: list) -> bytes:
+        return _column(_U64, values, len(values))
+
+    def _i64_column(values: list) -> bytes:
+        return _column(_I64, values, len(values))
+
+    def _u128_columns(ids: list) -> tuple[bytes, bytes]:
+        """128-bit ids as (high, low) u64 columns: 16 little-endian bytes each, read as
+        (lo, hi) pairs of u64 (half the cost of shifts)."""
+        pairs = np.frombuffer(b"".join([t.to_bytes(16, "little") for t in ids]), _U64)
+        return pairs[1::2].tobytes(), pairs[0::2].tobytes()
 
 
 def _sparse(extras: list) -> tuple[bytes, bytes]:
