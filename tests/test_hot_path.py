@@ -230,6 +230,66 @@ outcome("float limits", lambda: limits(None, 40.0))
 outcome("limits beyond 64 bits", lambda: limits(2 ** 70, None))
 outcome("a deque for a queue", lambda: limits(60, 30, collections.deque()))
 
+class QueueTaker:
+    def __init__(self, tracer):
+        self.tracer, self.me = tracer, self   # a cycle: only a collection frees it
+    def __del__(self):
+        try:
+            del self.tracer._queue
+        except AttributeError:
+            pass
+def queue_deleted_while_starting(threshold):
+    queue, tracer = made()
+    gc.collect()
+    QueueTaker(tracer)
+    gc.set_threshold(threshold)
+    try:
+        for _ in range(5):
+            tracer.start_as_current_span("x", attributes={"a": 1})
+    finally:
+        gc.set_threshold(700)
+for threshold in (1, 2, 3):
+    outcome(f"tracer's queue deleted by a collection ({threshold})", lambda: queue_deleted_while_starting(threshold))
+
+def trace_id_deletes_itself():
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x")
+    class Deletes:
+        def __bool__(self):
+            del span.trace_id
+            return False
+    span.trace_id = Deletes()
+    with span:
+        pass
+    return len(queue.queue)
+outcome("trace id deleted by its own truth", trace_id_deletes_itself)
+
+def fields_changed_by_getattr():
+    from crosstrace.tracer.provider import ScopedSpan
+    queue, tracer = made()
+    class Changes(ScopedSpan):
+        __slots__ = ()
+        def __getattr__(self, name):
+            self.thread = 2 ** 200 + 1
+            self.attributes = {"new": 1}
+    span = tracer.start_as_current_span("x", attributes={"a": [1]})
+    span.__class__ = Changes
+    span.__enter__()
+    span.thread = 2 ** 200
+    del span.trace_id
+    span.__exit__(None, None, None)
+    return [queue.queue[i] for i in (0, 7, 9)]
+outcome("fields changed while the span is queued", fields_changed_by_getattr)
+
+def copies():
+    import copy, inspect
+    queue, tracer = made()
+    span = tracer.start_as_current_span("x", attributes={"a": 1})
+    copied = copy.copy(span)
+    return (copied.name, copied.attributes, type(copy.copy(tracer)).__name__, copy.copy(queue).max_entries,
+            span.__weakref__, list(inspect.signature(tracer.start_as_current_span).parameters)[:4])
+outcome("copies and signatures", copies)
+
 def exit_called(*args, **kwargs):
     queue, tracer = made()
     span = tracer.start_as_current_span("x")
@@ -274,7 +334,7 @@ def test_compiled_and_python_record_every_case_alike():
 @pytest.mark.skipif(compiled.hot_path is None, reason="no compiled hot path here")
 def test_compiled_and_python_answer_odd_cases_alike():
     ours, python = (run_python(ODD_CASES, env=env, timeout=120).stdout.splitlines() for env in ({}, PURE))
-    assert len(ours) == 18
+    assert len(ours) == 24
     assert ours == python
 
 
@@ -300,6 +360,14 @@ def test_compiled_columns_are_numpys():
     pairs = np.frombuffer(b"".join(t.to_bytes(16, "little") for t in u128), "<u8")
     assert hot.pack_u128(u128) == (pairs[1::2].tobytes(), pairs[0::2].tobytes())
     assert hot.pack_u64([]) == b"" and hot.pack_u128([]) == (b"", b"")
+    class Shrinks:
+        def __index__(self):
+            column.clear()
+            return 1
+    column = [Shrinks()] + [2 ** 62 + i for i in range(1000)]
+    with pytest.raises(RuntimeError):
+        hot.pack_i64(column)
+    assert hot.pack_u64([np.uint64(7), np.int64(8)]) == np.fromiter([7, 8], "<u8").tobytes()
     for pack, bad in ((hot.pack_u64, -1), (hot.pack_u64, 2 ** 64), (hot.pack_i64, 2 ** 63), (hot.pack_u64, None),
                       (hot.pack_u128, -1), (hot.pack_u128, 2 ** 128), (hot.pack_u128, "1")):
         with pytest.raises((OverflowError, TypeError)):

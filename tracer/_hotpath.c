@@ -33,7 +33,8 @@ static PyMemberDef span_members[] = {
     FIELD("trace_id", trace_id), FIELD("span_id", span_id), FIELD("parent_id", parent_id),
     FIELD("name", name), FIELD("kind", kind), FIELD("start", start), FIELD("end_ns", end_ns),
     FIELD("thread", thread), FIELD("attributes", attributes), FIELD("extras", extras),
-    FIELD("_sink", sink), FIELD("_token", token), {NULL}};
+    FIELD("_sink", sink), FIELD("_token", token),
+    {"__weakref__", T_OBJECT, offsetof(SpanFields, weakrefs), READONLY, NULL}, {NULL}};
 
 static int span_traverse(SpanFields *self, visitproc visit, void *arg) {
     Py_VISIT(self->trace_id); Py_VISIT(self->span_id); Py_VISIT(self->parent_id); Py_VISIT(self->name);
@@ -259,7 +260,8 @@ static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t 
             return hand_over(start_py, self, args, nargs, kwnames);
         given[found] = args[nargs + k];
     }
-    if (given[0] == NULL || !is_default(given[1], Py_None) || !is_default(given[2], internal_kind)
+    if (given[0] == NULL || !is_default(given[1], Py_None)
+            || !(is_default(given[2], internal_kind) || given[2] == Py_None)   /* (None: INTERNAL, as in Python) */
             || !is_default(given[4], Py_None) || !is_default(given[5], Py_None) || !is_default(given[6], Py_True)
             || !is_default(given[7], Py_True) || !is_default(given[8], Py_True))
         return hand_over(start_py, self, args, nargs, kwnames);
@@ -277,14 +279,20 @@ static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t 
     } else {
         return hand_over(start_py, self, args, nargs, kwnames);
     }
+    PyObject *queue = ((TracerFields *)self)->queue;   /* (the copy above could run a finalizer) */
+    if (queue == NULL) {
+        Py_DECREF(attributes);
+        return hand_over(start_py, self, args, nargs, kwnames);
+    }
+    Py_INCREF(queue);
     SpanFields *span = (SpanFields *)scoped_type->tp_alloc(scoped_type, 0);
     PyObject *span_id = new_span_id();
     if (span == NULL || span_id == NULL) {
-        Py_XDECREF(span); Py_XDECREF(span_id); Py_DECREF(attributes);
+        Py_XDECREF(span); Py_XDECREF(span_id); Py_DECREF(attributes); Py_DECREF(queue);
         return NULL;
     }
     PyObject *zero = PyLong_FromLong(0);   /* a cached small int: no allocation */
-    span->sink = Py_NewRef(((TracerFields *)self)->queue);
+    span->sink = queue;
     span->trace_id = Py_NewRef(zero);
     span->parent_id = Py_NewRef(zero);
     span->end_ns = Py_NewRef(zero);
@@ -353,7 +361,7 @@ static PyObject *scoped_enter(PyObject *op, PyObject *unused) {
         parent_id = Py_NewRef(under->span_id);
     }
     Py_DECREF(parent);
-    Py_SETREF(self->trace_id, trace_id);
+    Py_XSETREF(self->trace_id, trace_id);
     if (parent_id != NULL)
         Py_XSETREF(self->parent_id, parent_id);
     PyObject *context = PyObject_CallNoArgs(context_type);
@@ -470,11 +478,15 @@ static int queue_span(PyObject *op) {
     }
     static const char *names[10] = {"trace_id", "span_id", "parent_id", "name", "kind", "start", NULL, "thread",
                                     "extras", "attributes"};
-    PyObject *slots[10] = {self->trace_id, self->span_id, self->parent_id, self->name, self->kind, self->start,
-                           end, self->thread, self->extras, self->attributes};
-    for (int i = 0; i < 10; i++)   /* (held: each read can run Python code where one is unset) */
-        if ((fields[i] = span_get(op, slots[i], names[i])) == NULL)
+    static const size_t offsets[10] = {offsetof(SpanFields, trace_id), offsetof(SpanFields, span_id),
+        offsetof(SpanFields, parent_id), offsetof(SpanFields, name), offsetof(SpanFields, kind),
+        offsetof(SpanFields, start), 0, offsetof(SpanFields, thread), offsetof(SpanFields, extras),
+        offsetof(SpanFields, attributes)};
+    for (int i = 0; i < 10; i++) {   /* each read when its turn comes: one unset runs Python code (getattr) */
+        fields[i] = i == 6 ? Py_NewRef(end) : span_get(op, *(PyObject **)((char *)op + offsets[i]), names[i]);
+        if (fields[i] == NULL)
             goto done;
+    }
     if (extend(queue, fields) < 0)
         goto done;
     size = PyList_CheckExact(queue) ? PyList_GET_SIZE(queue) : PyObject_Size(queue);
@@ -540,6 +552,23 @@ static void put_le64(unsigned char *out, uint64_t v) {
         out[i] = (unsigned char)(v >> (8 * i));
 }
 
+/* A column's i-th value as an int, a new reference (an int-like one through __index__, as
+ * numpy takes a numpy integer); NULL with an error where the column is no longer that long
+ * (__index__ is Python code, which can change it). */
+static PyObject *column_int(PyObject *seq, Py_ssize_t i, Py_ssize_t n) {
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_SetString(PyExc_RuntimeError, "crosstrace: a column changed while it was packed");
+        return NULL;
+    }
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+    if (PyLong_CheckExact(item))
+        return Py_NewRef(item);
+    Py_INCREF(item);
+    PyObject *value = PyNumber_Index(item);
+    Py_DECREF(item);
+    return value;
+}
+
 /* A list of ints as one little-endian u64 (signed: i64) column; OverflowError or TypeError
  * for a value that is not one, as numpy's fromiter raises (the exporter then finds its span). */
 static PyObject *pack64(PyObject *values, int is_signed) {
@@ -548,17 +577,15 @@ static PyObject *pack64(PyObject *values, int is_signed) {
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
-    if (out != NULL) {
-        unsigned char *bytes = (unsigned char *)PyBytes_AS_STRING(out);
-        PyObject **items = PySequence_Fast_ITEMS(seq);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint64_t v = is_signed ? (uint64_t)PyLong_AsLongLong(items[i]) : PyLong_AsUnsignedLongLong(items[i]);
-            if (v == (uint64_t)-1 && PyErr_Occurred()) {
-                Py_CLEAR(out);
-                break;
-            }
-            put_le64(bytes + 8 * i, v);
-        }
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *value = column_int(seq, i, n);
+        uint64_t v = value == NULL ? (uint64_t)-1
+                   : is_signed ? (uint64_t)PyLong_AsLongLong(value) : PyLong_AsUnsignedLongLong(value);
+        Py_XDECREF(value);
+        if (v == (uint64_t)-1 && PyErr_Occurred())
+            Py_CLEAR(out);
+        else
+            put_le64((unsigned char *)PyBytes_AS_STRING(out) + 8 * i, v);
     }
     Py_DECREF(seq);
     return out;
@@ -566,6 +593,29 @@ static PyObject *pack64(PyObject *values, int is_signed) {
 
 static PyObject *pack_u64(PyObject *module, PyObject *values) { return pack64(values, 0); }
 static PyObject *pack_i64(PyObject *module, PyObject *values) { return pack64(values, 1); }
+
+/* An int as 16 little-endian bytes; OverflowError where it is negative or over 128 bits,
+ * as int.to_bytes(16, "little") raises. */
+static int as_u128(PyObject *value, unsigned char *id) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *zero = PyLong_FromLong(0);
+    int negative = PyObject_RichCompareBool(value, zero, Py_LT);
+    Py_DECREF(zero);
+    if (negative < 0)
+        return -1;
+    Py_ssize_t needed = negative ? 0 : PyLong_AsNativeBytes(value, id, 16, Py_ASNATIVEBYTES_LITTLE_ENDIAN
+                                                            | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+    if (needed < 0)
+        return -1;
+    if (negative || needed > 16) {
+        PyErr_SetString(PyExc_OverflowError, "crosstrace: a trace id must fit 128 unsigned bits");
+        return -1;
+    }
+    return 0;
+#else
+    return _PyLong_AsByteArray((PyLongObject *)value, id, 16, 1, 0);
+#endif
+}
 
 /* A list of 128-bit ints as two little-endian u64 columns: (high halves, low halves). */
 static PyObject *pack_u128(PyObject *module, PyObject *values) {
@@ -575,35 +625,19 @@ static PyObject *pack_u128(PyObject *module, PyObject *values) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *hi = PyBytes_FromStringAndSize(NULL, n * 8), *lo = PyBytes_FromStringAndSize(NULL, n * 8);
     PyObject *result = NULL;
-    if (hi != NULL && lo != NULL) {
-        PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t i = 0;
+    for (; hi != NULL && lo != NULL && i < n; i++) {
         unsigned char id[16];
-        Py_ssize_t i = 0;
-        for (; i < n; i++) {
-            if (!PyLong_Check(items[i])) {
-                PyErr_Format(PyExc_TypeError, "crosstrace: a trace id must be an int, not %.100s",
-                             Py_TYPE(items[i])->tp_name);
-                break;
-            }
-#if PY_VERSION_HEX >= 0x030D0000
-            Py_ssize_t needed = PyLong_AsNativeBytes(items[i], id, 16, Py_ASNATIVEBYTES_LITTLE_ENDIAN
-                                                     | Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
-            if (needed < 0)
-                break;
-            if (needed > 16) {
-                PyErr_SetString(PyExc_OverflowError, "crosstrace: a trace id over 128 bits");
-                break;
-            }
-#else
-            if (_PyLong_AsByteArray((PyLongObject *)items[i], id, 16, 1, 0) < 0)
-                break;
-#endif
-            memcpy(PyBytes_AS_STRING(lo) + 8 * i, id, 8);
-            memcpy(PyBytes_AS_STRING(hi) + 8 * i, id + 8, 8);
-        }
-        if (i == n)
-            result = PyTuple_Pack(2, hi, lo);
+        PyObject *value = column_int(seq, i, n);
+        int rc = value == NULL ? -1 : as_u128(value, id);
+        Py_XDECREF(value);
+        if (rc < 0)
+            break;
+        memcpy(PyBytes_AS_STRING(lo) + 8 * i, id, 8);
+        memcpy(PyBytes_AS_STRING(hi) + 8 * i, id + 8, 8);
     }
+    if (hi != NULL && lo != NULL && i == n)
+        result = PyTuple_Pack(2, hi, lo);
     Py_XDECREF(hi);
     Py_XDECREF(lo);
     Py_DECREF(seq);
@@ -613,9 +647,10 @@ static PyObject *pack_u128(PyObject *module, PyObject *values) {
 /* ---- the types and the module ------------------------------------------------------- */
 
 static PyMethodDef span_methods[] = {
-    {"_scoped_enter", scoped_enter, METH_NOARGS, "ScopedSpan.__enter__, its common case (provider.py)."},
+    {"_scoped_enter", scoped_enter, METH_NOARGS,
+     "_scoped_enter($self, /)\n--\n\nScopedSpan.__enter__, its common case (provider.py)."},
     {"_scoped_exit", (PyCFunction)(void (*)(void))scoped_exit, METH_FASTCALL | METH_KEYWORDS,
-     "ScopedSpan.__exit__, its common case (provider.py)."},
+     "_scoped_exit($self, exc_type, exc, tb, /)\n--\n\nScopedSpan.__exit__, its common case (provider.py)."},
     {NULL}};
 
 static PyTypeObject SpanFieldsType = {
@@ -634,8 +669,8 @@ static PyTypeObject SpanFieldsType = {
 
 static PyMethodDef tracer_methods[] = {
     {"_start_scoped", (PyCFunction)(void (*)(void))start_scoped, METH_FASTCALL | METH_KEYWORDS,
-     "start_as_current_span($self, name, context=None, kind=SpanKind.INTERNAL, attributes=None, links=None, "
-     "start_time=None, record_exception=True, set_status_on_exception=True, end_on_exit=True)\n--\n\n"
+     "_start_scoped($self, /, name, context=None, kind=None, attributes=None, links=None, start_time=None, "
+     "record_exception=True, set_status_on_exception=True, end_on_exit=True)\n--\n\n"
      "Tracer.start_as_current_span, its common case (provider.py)."},
     {NULL}};
 
@@ -683,6 +718,25 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     for (int i = 0; i < 7; i++)
         if ((*strings[i] = PyUnicode_InternFromString(fields[i])) == NULL)
             return NULL;
+    /* __slots__ as the Python twins have them (compiled.py): copy and pickle read it */
+    PyTypeObject *types[3] = {&SpanFieldsType, &TracerFieldsType, &QueueFieldsType};
+    PyMemberDef *members[3] = {span_members, tracer_members, queue_members};
+    for (int t = 0; t < 3; t++) {
+        PyObject *slots = PyList_New(0);
+        for (PyMemberDef *m = members[t]; slots != NULL && m->name != NULL; m++) {
+            PyObject *name = PyUnicode_InternFromString(m->name);
+            if (name == NULL || PyList_Append(slots, name) < 0)
+                Py_CLEAR(slots);
+            Py_XDECREF(name);
+        }
+        PyObject *tuple = slots ? PyList_AsTuple(slots) : NULL;
+        Py_XDECREF(slots);
+        int rc = tuple ? PyDict_SetItemString(types[t]->tp_dict, "__slots__", tuple) : -1;
+        Py_XDECREF(tuple);
+        if (rc < 0)
+            return NULL;
+        PyType_Modified(types[t]);
+    }
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
