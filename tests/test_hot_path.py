@@ -28,7 +28,7 @@ import asyncio, gc, json, logging, sys
 from opentelemetry import baggage, context, trace
 from crosstrace.tracer.clock import Clock
 from crosstrace.tracer.exporter import ExportQueue
-from crosstrace.tracer.provider import Tracer, _COMPILED
+from crosstrace.tracer.provider import Tracer, COMPILED
 
 logging.disable(logging.CRITICAL)
 queue = ExportQueue(Clock(), max_queue=40, batch_size=8)
@@ -106,7 +106,7 @@ before = objects_after(int(sys.argv[1]))
 grown = objects_after(int(sys.argv[1])) - before
 for i in range(8):
     calls(i)
-print(json.dumps({"compiled": _COMPILED, "grown": grown, "wakes": wakes[:50], "dropped": queue.dropped,
+print(json.dumps({"compiled": COMPILED, "grown": grown, "wakes": wakes[:50], "dropped": queue.dropped,
                   "spans": [described(columns) for columns in taken]}))
 """
 
@@ -313,9 +313,14 @@ def _compiler() -> str | None:
 @pytest.mark.skipif(os.environ.get("CROSSTRACE_PURE_PYTHON") or not _compiler(), reason="no compiled hot path here")
 def test_the_compiled_hot_path_is_built_and_used():
     assert compiled.hot_path is not None, "tracer/_hotpath.c was not built: pip install -e . with a C compiler"
-    assert provider._COMPILED
+    assert provider.COMPILED
     assert provider.Tracer.start_as_current_span is compiled.TracerFields._start_scoped
     assert provider.ScopedSpan.__enter__ is compiled.SpanFields._scoped_enter
+    assert "(tracer hot path: compiled)" in subprocess.run(["crosstrace", "--version"], capture_output=True,
+                                                           text=True, timeout=60).stdout
+    pure = subprocess.run(["crosstrace", "--version"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **PURE}).stdout
+    assert "(tracer hot path: Python; no C compiler at install, or CROSSTRACE_PURE_PYTHON set)" in " ".join(pure.split())
 
 
 @pytest.mark.skipif(compiled.hot_path is None, reason="no compiled hot path here")
@@ -399,9 +404,11 @@ def test_a_forked_child_draws_ids_of_its_own(env):
 @pytest.mark.skipif(not _compiler(), reason="needs a compiler to show the build failing")
 def test_an_install_without_a_compiler_traces_in_python(tmp_path, collector):
     """The extension is optional: where it cannot be built, the install goes on."""
-    target = tmp_path / "site"
+    target, source = tmp_path / "site", tmp_path / "source"   # (a copy: pip builds in the source's build/)
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.so", "*.egg-info",
+                                                                "__pycache__", "crosstrace-demo"))
     build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            "--target", str(target), REPO], capture_output=True, text=True, timeout=300,
+                            "--target", str(target), str(source)], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "CC": "/bin/false", "PIP_NO_INPUT": "1"})
     assert build.returncode == 0, build.stdout + build.stderr
     assert not list(target.glob("crosstrace/tracer/_hotpath*.so")), "it was built after all"
@@ -413,7 +420,7 @@ def test_an_install_without_a_compiler_traces_in_python(tmp_path, collector):
     tracer = crosstrace.TracerProvider(endpoint={collector.address!r}, node_id="no-compiler")
     with tracer.get_tracer("t").start_as_current_span("a"):
         pass
-    print(provider._COMPILED, tracer.force_flush(30_000))
+    print(provider.COMPILED, tracer.force_flush(30_000))
     """
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(target)})   # (not in the clone: its crosstrace/)

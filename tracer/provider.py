@@ -76,7 +76,7 @@ _KINDS = frozenset(Kind)
 # The compiled hot path (tracer/_hotpath.c) runs the common case of start_as_current_span
 # and of ScopedSpan's __enter__ and __exit__, where it is built and the runtime context is
 # OpenTelemetry's ContextVar, which it sets directly.
-_COMPILED = hot_path is not None and _CONTEXT_VAR is not None
+COMPILED = hot_path is not None and _CONTEXT_VAR is not None
 
 
 class Tracer(TracerFields, trace_api.Tracer):
@@ -126,7 +126,7 @@ class Tracer(TracerFields, trace_api.Tracer):
                 span.extras = SpanExtras(links)
         return span
 
-    start_as_current_span = TracerFields._start_scoped if _COMPILED else _start_as_current_span
+    start_as_current_span = TracerFields._start_scoped if COMPILED else _start_as_current_span
 
     def span_starter(self):
         """start(name, context, kind, attributes) -> Span: start_span without the API's
@@ -313,7 +313,7 @@ class ScopedSpan(Span):
         else:
             sink.dropped += 1
 
-    __enter__, __exit__ = (SpanFields._scoped_enter, SpanFields._scoped_exit) if _COMPILED else (_enter, _exit)
+    __enter__, __exit__ = (SpanFields._scoped_enter, SpanFields._scoped_exit) if COMPILED else (_enter, _exit)
 
     def __call__(self, func):
         """Used as a decorator (`@tracer.start_as_current_span(...)`): each call gets a new
@@ -323,7 +323,7 @@ class ScopedSpan(Span):
                                           self.kind, self.attributes, links))
 
 
-if _COMPILED:
+if COMPILED:
     hot_path.configure(context_var=_CONTEXT_VAR, span_key=_SPAN_KEY, context_type=Context, scoped_type=ScopedSpan,
                        enter=ScopedSpan._enter, exit=ScopedSpan._exit, start=Tracer._start_as_current_span,
                        task_lane=_task_lane, could_not_leave=_could_not_leave, running_loop=_running_loop,
