@@ -29,6 +29,7 @@ from opentelemetry import baggage, context, trace
 from crosstrace.tracer.clock import Clock
 from crosstrace.tracer.exporter import ExportQueue
 from crosstrace.tracer.provider import Tracer, COMPILED
+from crosstrace.proto.semconv import Kind
 
 logging.disable(logging.CRITICAL)
 queue = ExportQueue(Clock(), max_queue=40, batch_size=8)
@@ -42,6 +43,17 @@ def calls(i):
         with tracer.start_as_current_span("server", kind=trace.SpanKind.SERVER):
             pass
         with tracer.start_as_current_span("typed", None, attributes={"crosstrace.kind": "compute"}):
+            pass
+        with tracer.start_as_current_span("typed beside", kind=trace.SpanKind.CLIENT,
+                                          attributes={"crosstrace.kind": "data", "b": 1}):
+            pass
+        with tracer.start_as_current_span("typed in capitals", attributes={"crosstrace.kind": "COMPUTE"}):
+            pass
+        with tracer.start_as_current_span("typed wrongly", attributes={"crosstrace.kind": 3}):
+            pass
+        with tracer.start_as_current_span("crosstrace kind", kind=Kind.COLLECTIVE):
+            pass
+        with tracer.start_as_current_span("kind none", kind=None, attributes={"x": 1}):
             pass
         with tracer.start_as_current_span(name="keywords", attributes={}, end_on_exit=True) as span:
             span.set_attribute("late", [1, 2])
@@ -332,7 +344,7 @@ def test_compiled_and_python_record_every_case_alike():
     for key in ("spans", "wakes", "dropped"):
         assert ours[key] == python[key], key
     names = {row[0] for columns in ours["spans"] for row in columns}
-    assert {"root", "server", "typed", "keywords", "linked", "raises", "beside baggage", "entered twice",
+    assert {"root", "server", "typed", "typed beside", "typed in capitals", "crosstrace kind", "keywords", "linked", "raises", "beside baggage", "entered twice",
             "decorated", "in a task"} <= names
 
 

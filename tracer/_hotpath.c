@@ -124,23 +124,32 @@ static PyObject *task_lane;        /* provider._task_lane */
 static PyObject *could_not_leave;  /* logs a context left elsewhere, as detach_quietly does */
 static PyObject *running_loop;     /* asyncio._get_running_loop */
 static PyObject *internal_kind;    /* SpanKind.INTERNAL */
+static PyObject *kinds;            /* ((kind given, the span's kind), ...): each SpanKind and crosstrace Kind */
 static PyObject *kind_key;         /* the attribute that names a crosstrace kind */
+static PyObject *kind_by_name;     /* its values ("compute", ...) and their kinds */
 
 static PyObject *kw_names[9];      /* start_as_current_span's parameters, in order */
 
 static PyObject *configure(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"context_var", "span_key", "context_type", "scoped_type", "enter", "exit",
                             "start", "task_lane", "could_not_leave", "running_loop", "internal_kind",
-                            "kind_key", NULL};
-    PyObject *v[12];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OUOO!OOOOOOOU:configure", names, &v[0], &v[1], &v[2],
+                            "kinds", "kind_key", "kind_by_name", NULL};
+    PyObject *v[14];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OUOO!OOOOOOOO!UO!:configure", names, &v[0], &v[1], &v[2],
                                      &PyType_Type, &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9], &v[10],
-                                     &v[11]))
+                                     &PyTuple_Type, &v[11], &v[12], &PyDict_Type, &v[13]))
         return NULL;
-    PyObject **slots[12] = {&context_var, &span_key, &context_type, (PyObject **)&scoped_type, &enter_py,
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v[11]); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(v[11], i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "configure: kinds must be (kind given, span kind) pairs");
+            return NULL;
+        }
+    }
+    PyObject **slots[14] = {&context_var, &span_key, &context_type, (PyObject **)&scoped_type, &enter_py,
                             &exit_py, &start_py, &task_lane, &could_not_leave, &running_loop, &internal_kind,
-                            &kind_key};
-    for (int i = 0; i < 12; i++) {
+                            &kinds, &kind_key, &kind_by_name};
+    for (int i = 0; i < 14; i++) {
         Py_INCREF(v[i]);
         Py_XSETREF(*slots[i], v[i]);
     }
@@ -261,34 +270,51 @@ static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t 
         given[found] = args[nargs + k];
     }
     if (given[0] == NULL || !is_default(given[1], Py_None)
-            || !(is_default(given[2], internal_kind) || given[2] == Py_None)   /* (None: INTERNAL, as in Python) */
             || !is_default(given[4], Py_None) || !is_default(given[5], Py_None) || !is_default(given[6], Py_True)
             || !is_default(given[7], Py_True) || !is_default(given[8], Py_True))
         return hand_over(start_py, self, args, nargs, kwnames);
+    PyObject *kind = NULL;   /* the span's (held): the pair's object, or the name's, as Python takes it */
+    if (!(is_default(given[2], internal_kind) || given[2] == Py_None)) {   /* (None: INTERNAL, as in Python) */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kinds) && kind == NULL; i++)   /* enum members: by identity */
+            if (PyTuple_GET_ITEM(PyTuple_GET_ITEM(kinds, i), 0) == given[2])
+                kind = Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(kinds, i), 1));
+        if (kind == NULL)
+            return hand_over(start_py, self, args, nargs, kwnames);
+    }
     PyObject *attributes = given[3];
     if (attributes == NULL || attributes == Py_None || (PyDict_CheckExact(attributes) && !PyDict_GET_SIZE(attributes))) {
         attributes = Py_NewRef(Py_None);
     } else if (PyDict_CheckExact(attributes)) {
-        int has_kind = PyDict_Contains(attributes, kind_key);
-        if (has_kind < 0)
+        PyObject *named = PyDict_GetItemWithError(attributes, kind_key);   /* borrowed */
+        if (named != NULL) {   /* a kind by name, in the exact spelling: the span's kind, not an attribute */
+            PyObject *by_name = PyUnicode_CheckExact(named) ? PyDict_GetItemWithError(kind_by_name, named) : NULL;
+            Py_XSETREF(kind, Py_XNewRef(by_name));
+        }
+        if (PyErr_Occurred() || (named != NULL && kind == NULL)) {   /* (another spelling or value: Python's) */
+            Py_XDECREF(kind);
+            return PyErr_Occurred() ? NULL : hand_over(start_py, self, args, nargs, kwnames);
+        }
+        attributes = PyDict_Copy(attributes);
+        if (attributes != NULL && named != NULL && PyDict_DelItem(attributes, kind_key) < 0)
+            Py_CLEAR(attributes);
+        if (attributes == NULL) {
+            Py_XDECREF(kind);
             return NULL;
-        if (has_kind)
-            return hand_over(start_py, self, args, nargs, kwnames);
-        if ((attributes = PyDict_Copy(attributes)) == NULL)
-            return NULL;
+        }
     } else {
+        Py_XDECREF(kind);
         return hand_over(start_py, self, args, nargs, kwnames);
     }
-    PyObject *queue = ((TracerFields *)self)->queue;   /* (the copy above could run a finalizer) */
+    PyObject *queue = Py_XNewRef(((TracerFields *)self)->queue);   /* (the copy above could run a finalizer) */
     if (queue == NULL) {
         Py_DECREF(attributes);
+        Py_XDECREF(kind);
         return hand_over(start_py, self, args, nargs, kwnames);
     }
-    Py_INCREF(queue);
     SpanFields *span = (SpanFields *)scoped_type->tp_alloc(scoped_type, 0);
     PyObject *span_id = new_span_id();
     if (span == NULL || span_id == NULL) {
-        Py_XDECREF(span); Py_XDECREF(span_id); Py_DECREF(attributes); Py_DECREF(queue);
+        Py_XDECREF(span); Py_XDECREF(span_id); Py_DECREF(attributes); Py_DECREF(queue); Py_XDECREF(kind);
         return NULL;
     }
     PyObject *zero = PyLong_FromLong(0);   /* a cached small int: no allocation */
@@ -296,7 +322,8 @@ static PyObject *start_scoped(PyObject *self, PyObject *const *args, Py_ssize_t 
     span->trace_id = Py_NewRef(zero);
     span->parent_id = Py_NewRef(zero);
     span->end_ns = Py_NewRef(zero);
-    span->kind = zero;
+    span->kind = kind ? kind : Py_NewRef(zero);
+    Py_DECREF(zero);
     span->span_id = span_id;
     span->name = Py_NewRef(given[0]);
     span->extras = Py_NewRef(Py_None);

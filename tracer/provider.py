@@ -327,7 +327,8 @@ if COMPILED:
     hot_path.configure(context_var=_CONTEXT_VAR, span_key=_SPAN_KEY, context_type=Context, scoped_type=ScopedSpan,
                        enter=ScopedSpan._enter, exit=ScopedSpan._exit, start=Tracer._start_as_current_span,
                        task_lane=_task_lane, could_not_leave=_could_not_leave, running_loop=_running_loop,
-                       internal_kind=_INTERNAL, kind_key=KIND)
+                       internal_kind=_INTERNAL, kind_key=KIND, kind_by_name=KIND_BY_NAME,
+                       kinds=(*OTEL_KIND.items(), *((kind, int(kind)) for kind in Kind)))   # as _kind_code has them
 
 
 class CurrentSpan:
