@@ -30,7 +30,7 @@ import crosstrace
 from crosstrace.launch import CollectorProcess
 from crosstrace.tracer.clock import Clock
 from crosstrace.tracer.exporter import ExportQueue
-from crosstrace.tracer.provider import COMPILED, Tracer
+from crosstrace.tracer.provider import Tracer, hot_path_status
 
 
 def per_span_us(tracer, n: int) -> tuple[float, float]:
@@ -86,8 +86,7 @@ def main() -> None:
         flushed = ours.force_flush(60_000)
         ours.shutdown()
         sdk.shutdown()
-    print(f"spans per round: {args.spans}, rounds: {args.rounds}; crosstrace's hot path: "
-          + ("compiled (tracer/_hotpath.c)" if COMPILED else "Python (not built, or CROSSTRACE_PURE_PYTHON set)"))
+    print(f"spans per round: {args.spans}, rounds: {args.rounds}; crosstrace's hot path: {hot_path_status()}")
     ratios = []
     for i, clock in enumerate(("wall", "CPU")):
         ct = statistics.median(t[i] for t in times["crosstrace"])

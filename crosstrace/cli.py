@@ -7,7 +7,7 @@ import sys
 from . import __version__
 from .commands import budget, clocks, collector, demo, report
 from .launch import CollectorDidNotStart
-from .tracer.provider import COMPILED
+from .tracer.provider import hot_path_status
 
 COMMANDS = [demo, collector, report, clocks, budget]
 
@@ -18,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed tracing for multi-node ML jobs and edge-to-cloud inference: "
                     "aligned clocks, end-to-end DAGs, critical paths and latency attribution.",
         epilog="Start with `crosstrace demo`; `crosstrace COMMAND --help` explains each command.")
-    parser.add_argument("--version", action="version", version=f"crosstrace {__version__} (tracer hot path: "
-                        + ("compiled)" if COMPILED else "Python; no C compiler at install, or CROSSTRACE_PURE_PYTHON set)"))
+    parser.add_argument("--version", action="version",
+                        version=f"crosstrace {__version__} (tracer hot path: {hot_path_status()})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.register(sub)

@@ -322,17 +322,25 @@ def _compiler() -> str | None:
     return shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
 
 
-@pytest.mark.skipif(os.environ.get("CROSSTRACE_PURE_PYTHON") or not _compiler(), reason="no compiled hot path here")
+@pytest.mark.skipif(compiled.why_python == "CROSSTRACE_PURE_PYTHON set" or not _compiler(),
+                    reason="no compiled hot path here")
 def test_the_compiled_hot_path_is_built_and_used():
     assert compiled.hot_path is not None, "tracer/_hotpath.c was not built: pip install -e . with a C compiler"
     assert provider.COMPILED
     assert provider.Tracer.start_as_current_span is compiled.TracerFields._start_scoped
     assert provider.ScopedSpan.__enter__ is compiled.SpanFields._scoped_enter
-    assert "(tracer hot path: compiled)" in subprocess.run(["crosstrace", "--version"], capture_output=True,
-                                                           text=True, timeout=60).stdout
-    pure = subprocess.run(["crosstrace", "--version"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **PURE}).stdout
-    assert "(tracer hot path: Python; no C compiler at install, or CROSSTRACE_PURE_PYTHON set)" in " ".join(pure.split())
+
+    def version(value: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["crosstrace", "--version"], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "CROSSTRACE_PURE_PYTHON": value})
+
+    for value in ("", "0", "false", "Off"):
+        assert version(value).stdout.strip() == "crosstrace 0.1.0 (tracer hot path: compiled)", value
+    for value in ("1", "true", " yes "):
+        assert version(value).stdout.strip() == \
+            "crosstrace 0.1.0 (tracer hot path: Python (CROSSTRACE_PURE_PYTHON set))", value
+    typo = version("ture")   # reported, and read as off, as the other on/off settings are
+    assert "(tracer hot path: compiled)" in typo.stdout and "CROSSTRACE_PURE_PYTHON='ture'" in typo.stderr
 
 
 @pytest.mark.skipif(compiled.hot_path is None, reason="no compiled hot path here")
@@ -392,6 +400,26 @@ def test_compiled_columns_are_numpys():
 
 
 @pytest.mark.parametrize("env", [{}, PURE], ids=["as installed", "python"])
+def test_processes_that_seed_random_alike_draw_ids_of_their_own(env):
+    """ML programs seed `random` alike on every rank (random.seed(1234)): the ids drawn from
+    it were the same on every rank, in the traces that start outside a training step."""
+    code = """
+    import random
+    from crosstrace.tracer.clock import Clock
+    from crosstrace.tracer.exporter import ExportQueue
+    from crosstrace.tracer.provider import Tracer
+    random.seed(1234)
+    tracer = Tracer(ExportQueue(Clock(), 100, 10))
+    with tracer.start_as_current_span("scoped") as scoped:
+        pass
+    started = tracer.start_span("started")
+    print(scoped.trace_id, scoped.span_id, started.trace_id, started.span_id)
+    """
+    first, second = (run_python(code, env=env).stdout.split() for _ in range(2))
+    assert not set(first) & set(second)
+
+
+@pytest.mark.parametrize("env", [{}, PURE], ids=["as installed", "python"])
 def test_a_forked_child_draws_ids_of_its_own(env):
     code = """
     import os
@@ -437,3 +465,8 @@ def test_an_install_without_a_compiler_traces_in_python(tmp_path, collector):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(target)})   # (not in the clone: its crosstrace/)
     assert result.stdout.split() == ["False", "True"], result.stdout + result.stderr
+    version = subprocess.run([sys.executable, "-c", "import sys; sys.meta_path[:] = [f for f in sys.meta_path if "
+                              "'editable' not in repr(f).lower()]; from crosstrace.cli import main; main(['--version'])"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(target)})
+    assert "(tracer hot path: Python (not built: no C compiler?))" in version.stdout, version.stderr

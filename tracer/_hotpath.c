@@ -9,7 +9,7 @@
  * those of ScopedSpan.__enter__/__exit__ and Tracer.start_as_current_span, in their order.
  *
  * Span ids come from a xoshiro256** generator seeded from os.urandom, and seeded again in
- * a forked child (span.py), as Python's `random` module is.
+ * a forked child (compiled.py), as Python's `random` module is.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -698,7 +698,9 @@ static PyMethodDef tracer_methods[] = {
     {"_start_scoped", (PyCFunction)(void (*)(void))start_scoped, METH_FASTCALL | METH_KEYWORDS,
      "_start_scoped($self, /, name, context=None, kind=None, attributes=None, links=None, start_time=None, "
      "record_exception=True, set_status_on_exception=True, end_on_exit=True)\n--\n\n"
-     "Tracer.start_as_current_span, its common case (provider.py)."},
+     "OpenTelemetry's Tracer.start_as_current_span: a span that starts, and becomes the current\n"
+     "one, when its `with` is entered, and ends when it is left. kind=None is INTERNAL. Its\n"
+     "common case runs in C; Tracer._start_as_current_span (provider.py) takes every other."},
     {NULL}};
 
 static PyTypeObject TracerFieldsType = {

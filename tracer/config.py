@@ -178,6 +178,17 @@ _MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unack
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
 
 
+def flag_from_env(name: str) -> bool:
+    """An on/off environment variable read as the Config's are: one that is neither is
+    reported, and read as off."""
+    raw = os.environ.get(name, "")
+    try:
+        return _BOOLS[raw.strip().lower()]
+    except KeyError:
+        _warn(f"crosstrace: ignoring {name}={raw!r}: expected true/false, 1/0, yes/no or on/off")
+        return False
+
+
 def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     try:

@@ -24,10 +24,14 @@ from .config import Config
 from .encode import FIELDS
 from .exporter import Exporter, ExportQueue
 from . import sigterm
-from .compiled import SpanFields, TracerFields, hot_path
+from .compiled import SpanFields, TracerFields, hot_path, why_python
 from .span import OTEL_KIND, Span, SpanExtras, UnsampledSpan, log, own_links
 
-_random_bits = random.getrandbits
+# Ids from a generator of the tracer's own, seeded from os.urandom: ML programs seed `random`
+# alike on every rank (random.seed(1234)), and ids drawn from it were the same on every rank.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)   # and a forked child draws its own
+_random_bits = _ids.getrandbits
 _new = object.__new__
 _get_ident = threading.get_ident
 _running_loop = asyncio._get_running_loop   # None, without raising, outside an event loop
@@ -79,6 +83,14 @@ _KINDS = frozenset(Kind)
 COMPILED = hot_path is not None and _CONTEXT_VAR is not None
 
 
+def hot_path_status() -> str:
+    """Which hot path this process's spans take, and why Python where it is (for
+    `crosstrace --version` and the benchmarks)."""
+    if COMPILED:
+        return "compiled"
+    return f"Python ({why_python or 'a runtime context other than OpenTelemetry default'})"
+
+
 class Tracer(TracerFields, trace_api.Tracer):
     __slots__ = ()
 
@@ -94,17 +106,17 @@ class Tracer(TracerFields, trace_api.Tracer):
             extras.record_exception, extras.set_status_on_exception = record_exception, set_status_on_exception
         return span
 
-    def _start_as_current_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
-                               start_time=None, record_exception=True, set_status_on_exception=True,
-                               end_on_exit=True):
-        """start_as_current_span (the compiled hot path, where built, runs its common case
-        and hands every other one to this). The span starts when the `with` is entered, under the context current then (as
+    def start_as_current_span(self, name, context=None, kind=_INTERNAL, attributes=None, links=None,
+                              start_time=None, record_exception=True, set_status_on_exception=True,
+                              end_on_exit=True):
+        """The span starts when the `with` is entered, under the context current then (as
         with OpenTelemetry's SDK), not when this is called."""
         if not (context is None and start_time is None and record_exception and set_status_on_exception
                 and end_on_exit):
             return CurrentSpan(self, (name, context, kind, attributes, links, start_time, record_exception,
                                       set_status_on_exception), end_on_exit)
-        # The common case, a ScopedSpan, made here as _start makes a Span (keep the two alike):
+        # The common case, a ScopedSpan, made here as _start makes a Span, and in C as
+        # _hotpath.c's start_scoped makes it (keep the three alike; tests/test_hot_path.py):
         # a Python call less per span. Its parent, thread and start are read when it is entered.
         span = _new(ScopedSpan)
         span._sink = self._queue
@@ -126,7 +138,9 @@ class Tracer(TracerFields, trace_api.Tracer):
                 span.extras = SpanExtras(links)
         return span
 
-    start_as_current_span = TracerFields._start_scoped if COMPILED else _start_as_current_span
+    _start_as_current_span = start_as_current_span   # what the compiled one hands its other cases to
+    if COMPILED:
+        start_as_current_span = TracerFields._start_scoped
 
     def span_starter(self):
         """start(name, context, kind, attributes) -> Span: start_span without the API's
@@ -301,7 +315,8 @@ class ScopedSpan(Span):
             return
         if exc is not None and isinstance(exc, Exception):
             self._raised(exc)
-        # Span.end(), inlined (keep the two alike): a Python call less per span.
+        # Span.end(), inlined (keep it, Span.end and _hotpath.c's queue_span alike): a Python
+        # call less per span.
         sink = self._sink
         end = self.end_ns = sink.now()
         queue = sink.queue

@@ -51,7 +51,7 @@ class Span(SpanFields):
         if self.end_ns:   # logged, as OpenTelemetry's SDK does: a warning could raise into the caller
             log.warning("crosstrace: span %r ended twice; the second end() is ignored", self.name)
             return
-        sink = self._sink   # ScopedSpan.__exit__ has a copy of what follows: keep the two alike
+        sink = self._sink   # ScopedSpan._exit and _hotpath.c's queue_span copy what follows: keep them alike
         end = self.end_ns = sink.now() if end_time is None else sink.clock.from_epoch_ns(end_time)
         queue = sink.queue
         if len(queue) < sink.max_entries:
