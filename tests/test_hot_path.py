@@ -462,11 +462,11 @@ def test_an_install_without_a_compiler_traces_in_python(tmp_path, collector):
         pass
     print(provider.COMPILED, tracer.force_flush(30_000))
     """
+    env = {**os.environ, "PYTHONPATH": str(target), "CROSSTRACE_PURE_PYTHON": ""}   # Python for want of a build only
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(target)})   # (not in the clone: its crosstrace/)
+                            env=env)   # (not in the clone: its crosstrace/)
     assert result.stdout.split() == ["False", "True"], result.stdout + result.stderr
     version = subprocess.run([sys.executable, "-c", "import sys; sys.meta_path[:] = [f for f in sys.meta_path if "
                               "'editable' not in repr(f).lower()]; from crosstrace.cli import main; main(['--version'])"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "PYTHONPATH": str(target)})
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
     assert "(tracer hot path: Python (not built: no C compiler?))" in version.stdout, version.stderr
