@@ -186,19 +186,19 @@ def sink_swapped_by_its_clock():
     return len(queue.queue)
 outcome("queue freed by its own clock", sink_swapped_by_its_clock)
 
-class Finalizer:
-    def __init__(self, span):
-        self.span, self.me = span, self   # a cycle: only a collection frees it
+class DeletesWhenCollected:   # deletes obj.<name> in a finalizer a collection runs (a cycle: only one frees it)
+    def __init__(self, obj, name):
+        self.obj, self.name, self.me = obj, name, self
     def __del__(self):
         try:
-            del self.span._sink
+            delattr(self.obj, self.name)
         except AttributeError:
             pass
 def sink_deleted_by_a_collection(threshold):
     queue, tracer = made()
     span = tracer.start_as_current_span("x")
     gc.collect()
-    Finalizer(span)
+    DeletesWhenCollected(span, "_sink")
     gc.set_threshold(threshold)
     try:
         with span:
@@ -242,18 +242,10 @@ outcome("float limits", lambda: limits(None, 40.0))
 outcome("limits beyond 64 bits", lambda: limits(2 ** 70, None))
 outcome("a deque for a queue", lambda: limits(60, 30, collections.deque()))
 
-class QueueTaker:
-    def __init__(self, tracer):
-        self.tracer, self.me = tracer, self   # a cycle: only a collection frees it
-    def __del__(self):
-        try:
-            del self.tracer._queue
-        except AttributeError:
-            pass
 def queue_deleted_while_starting(threshold):
     queue, tracer = made()
     gc.collect()
-    QueueTaker(tracer)
+    DeletesWhenCollected(tracer, "_queue")
     gc.set_threshold(threshold)
     try:
         for _ in range(5):

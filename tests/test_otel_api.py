@@ -444,6 +444,18 @@ def test_malformed_settings_are_reported_and_urls_are_taken(monkeypatch):
     assert (hosted.endpoint, hosted.uses_tls) == ("collector.example:443", True)
 
 
+def test_counts_given_as_other_numbers_are_whole_numbers_or_reported():
+    """max_queue=1e6 went on as a float into the export queue's bounds; a count that is no
+    whole number (2.5, "3") was taken as it was, and rank="3" failed at its first comparison."""
+    from crosstrace.tracer.config import Config
+
+    taken = Config.from_env(max_queue=1e6)
+    assert taken.max_queue == 1_000_000 and type(taken.max_queue) is int
+    for name, bad in (("batch_size", 2.5), ("rank", "3")):
+        with pytest.warns(RuntimeWarning, match=f"ignoring {name}={bad!r}: expected a whole number"):
+            assert getattr(Config.from_env(**{name: bad}), name) == getattr(Config(), name)
+
+
 def test_a_configuration_warning_points_at_the_callers_line():
     """It pointed into crosstrace (provider.py, where the options are read), not at the
     init() or TracerProvider() that gave them."""

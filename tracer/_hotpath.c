@@ -26,7 +26,42 @@ typedef struct {
     PyObject *weakrefs;
 } SpanFields;
 
-static PyTypeObject SpanFieldsType;
+static PyTypeObject SpanFieldsType, QueueFieldsType, TracerFieldsType;
+
+/* The three types here are object fields and nothing else (their member tables list them):
+ * what the garbage collector visits and clears, and what deallocation frees, read off the
+ * table of the C type, whichever Python subclass the object is. */
+#define FIELD_AT(self, m) (*(PyObject **)((char *)(self) + (m)->offset))
+
+static PyMemberDef *fields_of(PyObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    while (type->tp_base != NULL && type->tp_base != &PyBaseObject_Type)   /* the C type below the subclasses */
+        type = type->tp_base;
+    return type->tp_members;
+}
+
+static int fields_traverse(PyObject *self, visitproc visit, void *arg) {
+    for (PyMemberDef *m = fields_of(self); m->name != NULL; m++)
+        if (m->type == T_OBJECT_EX)
+            Py_VISIT(FIELD_AT(self, m));
+    return 0;
+}
+
+static int fields_clear(PyObject *self) {
+    for (PyMemberDef *m = fields_of(self); m->name != NULL; m++)
+        if (m->type == T_OBJECT_EX)
+            Py_CLEAR(FIELD_AT(self, m));
+    return 0;
+}
+
+static void fields_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    Py_ssize_t weakrefs = Py_TYPE(self)->tp_weaklistoffset;
+    if (weakrefs && *(PyObject **)((char *)self + weakrefs) != NULL)
+        PyObject_ClearWeakRefs(self);
+    fields_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
 
 #define FIELD(name, member) {name, T_OBJECT_EX, offsetof(SpanFields, member), 0, NULL}
 static PyMemberDef span_members[] = {
@@ -35,28 +70,6 @@ static PyMemberDef span_members[] = {
     FIELD("thread", thread), FIELD("attributes", attributes), FIELD("extras", extras),
     FIELD("_sink", sink), FIELD("_token", token),
     {"__weakref__", T_OBJECT, offsetof(SpanFields, weakrefs), READONLY, NULL}, {NULL}};
-
-static int span_traverse(SpanFields *self, visitproc visit, void *arg) {
-    Py_VISIT(self->trace_id); Py_VISIT(self->span_id); Py_VISIT(self->parent_id); Py_VISIT(self->name);
-    Py_VISIT(self->kind); Py_VISIT(self->start); Py_VISIT(self->end_ns); Py_VISIT(self->thread);
-    Py_VISIT(self->attributes); Py_VISIT(self->extras); Py_VISIT(self->sink); Py_VISIT(self->token);
-    return 0;
-}
-
-static int span_clear(SpanFields *self) {
-    Py_CLEAR(self->trace_id); Py_CLEAR(self->span_id); Py_CLEAR(self->parent_id); Py_CLEAR(self->name);
-    Py_CLEAR(self->kind); Py_CLEAR(self->start); Py_CLEAR(self->end_ns); Py_CLEAR(self->thread);
-    Py_CLEAR(self->attributes); Py_CLEAR(self->extras); Py_CLEAR(self->sink); Py_CLEAR(self->token);
-    return 0;
-}
-
-static void span_dealloc(SpanFields *self) {
-    PyObject_GC_UnTrack(self);
-    if (self->weakrefs != NULL)
-        PyObject_ClearWeakRefs((PyObject *)self);
-    span_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
 
 /* ---- the export queue's fields that the hot path reads (tracer/exporter.py) ------------ */
 
@@ -69,33 +82,15 @@ typedef struct {
 static PyMemberDef queue_members[] = {
     QFIELD(now), QFIELD(queue), QFIELD(max_entries), QFIELD(wake_at), QFIELD(wake), QFIELD(dropped), {NULL}};
 
-static int queue_traverse(QueueFields *self, visitproc visit, void *arg) {
-    Py_VISIT(self->now); Py_VISIT(self->queue); Py_VISIT(self->max_entries); Py_VISIT(self->wake_at);
-    Py_VISIT(self->wake); Py_VISIT(self->dropped);
-    return 0;
-}
-
-static int queue_clear(QueueFields *self) {
-    Py_CLEAR(self->now); Py_CLEAR(self->queue); Py_CLEAR(self->max_entries); Py_CLEAR(self->wake_at);
-    Py_CLEAR(self->wake); Py_CLEAR(self->dropped);
-    return 0;
-}
-
-static void queue_dealloc(QueueFields *self) {
-    PyObject_GC_UnTrack(self);
-    queue_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyTypeObject QueueFieldsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "crosstrace.tracer._hotpath.QueueFields",
     .tp_doc = "The export queue's fields that the hot path reads (tracer/exporter.py).",
     .tp_basicsize = sizeof(QueueFields),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_dealloc = (destructor)queue_dealloc,
-    .tp_traverse = (traverseproc)queue_traverse,
-    .tp_clear = (inquiry)queue_clear,
+    .tp_dealloc = fields_dealloc,
+    .tp_traverse = fields_traverse,
+    .tp_clear = fields_clear,
     .tp_members = queue_members,
 };
 
@@ -213,22 +208,6 @@ typedef struct {
 static PyMemberDef tracer_members[] = {
     {"_queue", T_OBJECT_EX, offsetof(TracerFields, queue), 0, NULL},
     {"_now", T_OBJECT_EX, offsetof(TracerFields, now), 0, NULL}, {NULL}};
-
-static int tracer_traverse(TracerFields *self, visitproc visit, void *arg) {
-    Py_VISIT(self->queue); Py_VISIT(self->now);
-    return 0;
-}
-
-static int tracer_clear(TracerFields *self) {
-    Py_CLEAR(self->queue); Py_CLEAR(self->now);
-    return 0;
-}
-
-static void tracer_dealloc(TracerFields *self) {
-    PyObject_GC_UnTrack(self);
-    tracer_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
 
 /* `func(self, *args)` with the keywords as they came: the Python implementation's turn. */
 static PyObject *hand_over(PyObject *func, PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -686,9 +665,9 @@ static PyTypeObject SpanFieldsType = {
     .tp_doc = "A span's fields, as slots (tracer/span.py).",
     .tp_basicsize = sizeof(SpanFields),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_dealloc = (destructor)span_dealloc,
-    .tp_traverse = (traverseproc)span_traverse,
-    .tp_clear = (inquiry)span_clear,
+    .tp_dealloc = fields_dealloc,
+    .tp_traverse = fields_traverse,
+    .tp_clear = fields_clear,
     .tp_weaklistoffset = offsetof(SpanFields, weakrefs),
     .tp_members = span_members,
     .tp_methods = span_methods,
@@ -709,9 +688,9 @@ static PyTypeObject TracerFieldsType = {
     .tp_doc = "A tracer's fields (tracer/provider.py).",
     .tp_basicsize = sizeof(TracerFields),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_dealloc = (destructor)tracer_dealloc,
-    .tp_traverse = (traverseproc)tracer_traverse,
-    .tp_clear = (inquiry)tracer_clear,
+    .tp_dealloc = fields_dealloc,
+    .tp_traverse = fields_traverse,
+    .tp_clear = fields_clear,
     .tp_members = tracer_members,
     .tp_methods = tracer_methods,
 };

@@ -87,6 +87,7 @@ class Config:
             if value is not None:
                 setattr(cfg, name, value)
         cfg.labels = _text_labels(cfg.labels)
+        _check_counts(cfg)
         _check_endpoint(cfg)
         _follow_opentelemetry(cfg, env, given={name for name, value in overrides.items() if value is not None})
         for name, minimum in _MINIMUM.items():
@@ -99,6 +100,21 @@ class Config:
             host = socket.gethostname()
             cfg.node_id = f"{host}/rank{cfg.rank}" if cfg.rank >= 0 else f"{host}/{os.getpid()}"
         return cfg
+
+
+def _check_counts(cfg: Config) -> None:
+    """Whole numbers where a field is an int: max_queue=1e6 is taken as 1000000 (it went on
+    as a float into the export queue's bounds), and 2.5 or "10" given as an argument is
+    reported and its default used."""
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if _kind(field) != "int" or isinstance(value, int):
+            continue
+        if isinstance(value, float) and value.is_integer():
+            setattr(cfg, field.name, int(value))
+        else:
+            _warn(f"crosstrace: ignoring {field.name}={value!r}: expected a whole number; using {field.default}")
+            setattr(cfg, field.name, field.default)
 
 
 def _check_endpoint(cfg: Config) -> None:
@@ -189,8 +205,13 @@ def flag_from_env(name: str) -> bool:
         return False
 
 
+def _kind(field: dataclasses.Field) -> str:
+    """A field's type as text ("int", "dict[str, str]", ...)."""
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+
+
 def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str) -> None:
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    kind = _kind(field)
     try:
         if kind.startswith("dict"):
             value = _labels(raw, source)
