@@ -192,6 +192,7 @@ _MINIMUM = {"max_queue": 1, "batch_size": 1, "export_interval_ms": 1, "max_unack
 
 
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
+_ON_OFF = "true/false, 1/0, yes/no or on/off"   # what _BOOLS takes, as warnings say it
 
 
 def flag_from_env(name: str) -> bool:
@@ -201,7 +202,7 @@ def flag_from_env(name: str) -> bool:
     try:
         return _BOOLS[raw.strip().lower()]
     except KeyError:
-        _warn(f"crosstrace: ignoring {name}={raw!r}: expected true/false, 1/0, yes/no or on/off")
+        _warn(f"crosstrace: ignoring {name}={raw!r}: expected {_ON_OFF}")
         return False
 
 
@@ -224,7 +225,7 @@ def _set_from_text(cfg: Config, field: dataclasses.Field, raw: str, source: str)
         else:
             value = raw
     except (ValueError, KeyError):
-        expected = "true/false, 1/0, yes/no or on/off" if kind.startswith("bool") else kind
+        expected = _ON_OFF if kind.startswith("bool") else kind
         _warn(f"crosstrace: ignoring {source}={raw!r}: expected {expected}")
         return
     setattr(cfg, field.name, value)
