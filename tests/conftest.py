@@ -27,9 +27,11 @@ def collector(tmp_path):
 
 def run_python(code: str, env: dict | None = None, timeout: float = 60, check: bool = True,
                args: tuple = ()) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter (a real tracer process), with a timeout."""
+    """Run `code` in a fresh interpreter (a real tracer process), with a timeout. A crash
+    (SIGSEGV, in it or in a child it forks) prints its Python stack: whether it came in
+    crosstrace's code or in a thread of gRPC's own."""
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                            timeout=timeout, env={**os.environ, **(env or {})})
+                            timeout=timeout, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(f"child failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result

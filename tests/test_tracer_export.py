@@ -499,6 +499,37 @@ def test_a_childs_handover_outlives_its_parent_in_the_spool(collector, tmp_path)
     assert wait_until(lambda: span_count(collector.store) == 50, 10)
 
 
+def test_a_child_that_no_new_process_can_send_for_sends_over_a_channel_of_its_own(collector):
+    """The last resort of a child whose parent's tracer is gone: no new process could run
+    (orphans.send answers None), so it opens a gRPC channel in the child. That works only
+    while gRPC restarts its threads in a forked child, as grpcio does by default since 1.74:
+    with GRPC_ENABLE_FORK_SUPPORT=0 (tried against a child's crash in CI) this child died
+    of SIGSEGV or SIGABRT in each of 3 runs."""
+    out = run_python("""
+        import os, time, crosstrace
+        from crosstrace.tracer import orphans
+        orphans.send = lambda *args, **kwargs: None   # no new process can run
+        p = crosstrace.init()
+        tracer = p.get_tracer("t")
+        with tracer.start_as_current_span("parent"):
+            pass
+        assert p.force_flush(20000)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.read(r, 1)   # the parent's tracer has shut down
+            for i in range(20):
+                with tracer.start_as_current_span("child"):
+                    pass
+            os._exit(0 if p.shutdown() else 1)
+        print(p.shutdown(), flush=True)
+        os.write(w, b"x")
+        print(os.waitpid(pid, 0)[1])
+    """, env=tracer_env(collector, "own-channel"), timeout=60)
+    assert out.stdout.split() == ["True", "0"], out.stdout + out.stderr
+    assert wait_until(lambda: span_count(collector.store) == 21, 10), span_count(collector.store)
+
+
 def test_a_child_of_a_killed_parent_not_yet_reaped_sends_itself(collector, tmp_path):
     """A killed parent is a zombie until its launcher reaps it, and kill(pid, 0) still
     found it: its child took it for a parent that sends, handed over to nobody, and its
