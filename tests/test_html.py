@@ -13,8 +13,9 @@ from crosstrace.collector.attribution import attribute
 from crosstrace.collector.matching import match
 from crosstrace.collector.report import Analysed, trace_details, trace_summaries
 from crosstrace.collector.views import html
+from crosstrace.proto.semconv import Kind
 
-from .test_analysis_units import build, gpipe, straggler_step
+from .test_analysis_units import Spans, build, gpipe, straggler_step
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -147,3 +148,40 @@ def test_each_kind_of_trace_gets_a_timeline(browser, tmp_path):
             .filter(r => r.getAttribute('fill-opacity') === '0.3')
             .map(r => r.querySelector('title').textContent.split(' ')[0]);""")
     assert sorted(set(faint)) == ["step"]   # the roots: their children cover them
+
+
+def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
+    """Two requests a server handles at once, on two threads, each with its own child: by
+    nesting depth alone the two requests shared a row, and so did their children, drawn
+    over each other. No two spans of a lane overlap now, each child is below its parent,
+    and a lane has the rows it needs (the server's 4, the client's 3)."""
+    s = Spans()
+    call_a = s.add("call-a", Kind.RPC_CLIENT, 0, 60, "client")
+    call_b = s.add("call-b", Kind.RPC_CLIENT, 4, 70, "client", thread=2)
+    a = s.add("request-a", Kind.RPC_SERVER, 2, 55, "server", call_a)
+    s.add("infer-a", Kind.COMPUTE, 10, 40, "server", a)
+    b = s.add("request-b", Kind.RPC_SERVER, 6, 65, "server", call_b, thread=2)
+    s.add("infer-b", Kind.COMPUTE, 20, 60, "server", b, thread=2)
+    root = s.add("batch", Kind.INTERNAL, 0, 80, "client", thread=3)
+    for span in s.spans:
+        if span["id"] in (call_a, call_b):
+            span["parent"] = root
+    open_page(browser, hand_built_page(tmp_path, s.spans, {"client": -1, "server": -1}))
+    drawn = browser.execute_script("""
+        const svg = document.querySelector('svg.timeline');
+        return [...svg.querySelectorAll('rect')].filter(r => r.querySelector('title')
+                && r.getAttribute('height') === '12' && +r.getAttribute('y') > 20)
+            .map(r => [r.querySelector('title').textContent.split(' ')[0], +r.getAttribute('x'),
+                       +r.getAttribute('x') + +r.getAttribute('width'), +r.getAttribute('y')]);""")
+    spans = {name: (x0, x1, y) for name, x0, x1, y in drawn}
+    assert len(spans) == len(s.spans) == len(drawn)
+    for one, (x0, x1, y) in spans.items():
+        for other, (u0, u1, v) in spans.items():
+            if one != other and y == v:
+                assert x1 <= u0 + 0.01 or u1 <= x0 + 0.01, (one, other)
+    for child, parent in (("infer-a", "request-a"), ("infer-b", "request-b"), ("call-a", "batch"), ("call-b", "batch")):
+        assert spans[child][2] > spans[parent][2], (child, parent)
+    heights = dict(browser.execute_script("""
+        return [...document.querySelector('svg.timeline').querySelectorAll('g.lane')].map(
+            g => [g.dataset.node, +g.querySelector('rect').getAttribute('height')]);"""))
+    assert (heights["client"], heights["server"]) == (3 * 14 + 6, 4 * 14 + 6)   # rows of ROW px, and a margin

@@ -2,11 +2,11 @@
 nothing loaded from elsewhere).
 
 It shows: budget status; timelines of the slowest trace of each kind (and of a typical one
-where there is one kind) with one lane per node, spans stacked by nesting depth (a span
-with children faint), collective/p2p/RPC spans split into their wait, transfer and network
-parts, and the critical path drawn over the lanes; stacked attribution bars per trace
-(critical path) and per rank (each trace drawn); per kind of trace (same root name), every
-critical-path segment at p50/p95/p99.
+where there is one kind) with one lane per node, spans stacked by nesting and concurrent
+ones in rows of their own (a span with children faint), collective/p2p/RPC spans split
+into their wait, transfer and network parts, and the critical path drawn over the lanes;
+stacked attribution bars per trace (critical path) and per rank (each trace drawn); per
+kind of trace (same root name), every critical-path segment at p50/p95/p99.
 Clicking a legend entry hides or shows that category.
 """
 import html
@@ -24,7 +24,7 @@ COLOURS = {"compute": "#4e79a7", "data": "#76b7b2", "network.uplink": "#f28e2b",
            "collective.wait": "#e15759", "collective.transfer": "#ff9d9a", "p2p.wait": "#b07aa1",
            "p2p.transfer": "#d4a6c8", "bubble": "#edc948", "host.overhead": "#bab0ac",
            "clock.uncertainty": "#9c755f", "remote": "#e6e6e6"}
-WIDTH, LABEL, ROW, MAX_DEPTH = 1100, 170, 14, 6
+WIDTH, LABEL, ROW, MAX_ROWS = 1100, 170, 14, 8
 
 STYLE = """
 body{font:13px system-ui,sans-serif;margin:20px;color:#222;max-width:1200px}
@@ -76,23 +76,42 @@ def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
     return f'<svg width="{width + 2:.0f}" height="{height}">{"".join(parts)}</svg>'
 
 
+def _rows(rows: np.ndarray, node: np.ndarray, parent: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each span's row in its node's lane: below its parent there, and clear of the spans
+    already drawn in that row, so concurrent spans of one node (requests on several threads,
+    asyncio tasks) each get a row (by nesting depth alone they were drawn over each other).
+    Spans go in order of start, longest first, parents before children that start with
+    them; a lane has MAX_ROWS rows at most, the last one taking what is deeper."""
+    depth = np.zeros(len(rows), dtype=np.int64)   # nesting on the node: the tie-break of equal spans
+    up = parent[rows]
+    while (up >= 0).any():
+        same_node = (up >= 0) & (node[np.maximum(up, 0)] == node[rows])
+        depth += same_node
+        up = np.where(same_node, parent[np.maximum(up, 0)], -1)
+    row_of: dict[int, int] = {}
+    busy_until: dict[int, list[int]] = {}   # node -> the end of the last span in each row
+    for i in np.lexsort((depth, -end[rows], start[rows])).tolist():
+        r, p, k = int(rows[i]), int(parent[rows[i]]), int(node[rows[i]])
+        row = row_of[p] + 1 if p in row_of and node[p] == k else 0
+        ends = busy_until.setdefault(k, [])
+        while row < len(ends) and ends[row] > start[r]:
+            row += 1
+        ends[row:row + 1] = [int(end[r])]
+        row_of[r] = row
+    return np.minimum([row_of[int(r)] for r in rows], MAX_ROWS - 1).astype(np.int64)
+
+
 def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
-    """One trace: a lane per node, spans by nesting depth, the critical path on top."""
+    """One trace: a lane per node, spans in rows (_rows), the critical path on top."""
     t, dag, paths = analysed.table, at.dag, at.paths
     rows = np.flatnonzero(t.trace == index)
     t0, duration = trace["start_ns"], max(trace["duration_ns"], 1)
     scale = (WIDTH - LABEL - 10) / duration
     start, end = dag.starts, dag.ends
 
-    depth = np.zeros(len(rows), dtype=np.int64)
-    parent = dag.parent[rows]
-    while (parent >= 0).any():
-        same_node = (parent >= 0) & (t.node[np.maximum(parent, 0)] == t.node[rows])
-        depth += same_node
-        parent = np.where(same_node, dag.parent[np.maximum(parent, 0)], -1)
-    depth = np.minimum(depth, MAX_DEPTH - 1)
+    span_row = _rows(rows, t.node, dag.parent, start, end)
     nodes = sorted(set(t.node[rows].tolist()), key=lambda k: (t.resources[k].rank < 0, t.resources[k].rank, t.nodes[k]))
-    lane_height = {k: (int(depth[t.node[rows] == k].max()) + 1) * ROW + 8 for k in nodes}
+    lane_height = {k: (int(span_row[t.node[rows] == k].max()) + 1) * ROW + 8 for k in nodes}
     top, y = {}, 26
     for k in nodes:
         top[k] = y
@@ -115,7 +134,7 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     pipeline = at.group_pipeline[at.group]
     has_child = np.zeros(len(t), dtype=bool)
     has_child[dag.parent[rows][dag.parent[rows] >= 0]] = True
-    for r, d, c in zip(rows.tolist(), depth.tolist(), attribution.self_categories(kinds[rows], pipeline[rows]).tolist()):
+    for r, d, c in zip(rows.tolist(), span_row.tolist(), attribution.self_categories(kinds[rows], pipeline[rows]).tolist()):
         y0 = top[int(t.node[r])] + d * ROW
         kind = KIND_NAMES.get(int(t.kind[r]), "internal")
         title = f"{t.names[t.name[r]]} ({kind}) {format_ns(end[r] - start[r])} on {t.nodes[t.node[r]]}"
@@ -130,10 +149,10 @@ def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
     p_rows, s, e, cat = pieces
     mine = np.isin(p_rows, rows)
     cat = attribution.rank_categories(cat, pipeline[p_rows])
-    depth_of = dict(zip(rows.tolist(), depth.tolist()))
+    row_of = dict(zip(rows.tolist(), span_row.tolist()))
     for r, a, b, c in zip(p_rows[mine].tolist(), s[mine].tolist(), e[mine].tolist(), cat[mine].tolist()):
         name = attribution.NAMES[c]
-        y0 = top[int(t.node[r])] + depth_of[r] * ROW + 3
+        y0 = top[int(t.node[r])] + row_of[r] * ROW + 3
         parts.append(_rect(x_of(a), y0, (b - a) * scale, ROW - 8, name, f"{name}: {format_ns(b - a)} in {t.names[t.name[r]]}"))
     # The critical path: a strip on top, and a line through the lanes it visits.
     lo, hi = paths.bounds[index], paths.bounds[index + 1]
