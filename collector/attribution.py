@@ -353,6 +353,11 @@ def _pipeline_rows(table: SpanTable) -> tuple[np.ndarray, dict]:
     return pp, first
 
 
+def pipeline_traces(table: SpanTable) -> np.ndarray:
+    """The traces with pipeline-parallel spans (pp.* attributes) in them."""
+    return np.unique(table.trace[_pipeline_rows(table)[0]])
+
+
 def _positive_int(value) -> int | None:
     """A count a span states (stages, microbatches): None unless it is one (a client's 1e400
     is an infinity)."""

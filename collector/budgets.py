@@ -184,10 +184,9 @@ def _samples(b: Budget, traces: list[dict], table: SpanTable, at: Attribution) -
     nodes = np.array([b.node is None or fnmatch.fnmatchcase(r.node_id, b.node) or fnmatch.fnmatchcase(r.role, b.node)
                       for r in table.resources], dtype=bool)
     index = {trace_id: i for i, trace_id in enumerate(table.trace_ids)}
-    wanted = [index[t["trace_id"]] for t in chosen] if b.traces else None
+    wanted = [index[t["trace_id"]] for t in chosen]   # (a report of some traces holds others, for context)
     rows = np.flatnonzero(names[table.name] & nodes[table.node]) if len(table) else np.empty(0, np.int64)
-    if wanted is not None:
-        rows = rows[np.isin(table.trace[rows], wanted)]
+    rows = rows[np.isin(table.trace[rows], wanted)]
     duration = (at.dag.ends - at.dag.starts)[rows].astype(np.float64)
     if b.share:
         trace = table.trace[rows]

@@ -2,7 +2,7 @@
 import argparse
 import json
 
-from .report import add_window, check_writable
+from .report import add_trace, add_window, check_writable
 
 EXAMPLE = """\
 budget file (TOML), one [[budget]] table per limit:
@@ -47,8 +47,7 @@ def register(sub) -> None:
                                   epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     check.add_argument("--budget", required=True, metavar="FILE", help="budget file (TOML, see below)")
-    check.add_argument("--trace", action="append", metavar="TRACE_ID",
-                       help="only this trace: its id or a unique prefix, any case (repeatable)")
+    add_trace(check, analysed=True)
     check.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
     add_window(check)
     check.set_defaults(func=run_check)

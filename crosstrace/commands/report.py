@@ -18,8 +18,7 @@ def register(sub) -> None:
                                    "latency; print a summary, and write the JSON report with --json.")
     p.add_argument("--store", required=True, help="store file written by `crosstrace collector`")
     p.add_argument("--json", metavar="FILE", help="write the machine-readable report here ('-' for stdout)")
-    p.add_argument("--trace", action="append", metavar="TRACE_ID",
-                   help="only this trace: its id or a unique prefix, any case (repeatable)")
+    add_trace(p, analysed=True)
     p.add_argument("--limit", type=positive, default=10, help="traces shown in the terminal (default %(default)s)")
     p.add_argument("--html", metavar="FILE",
                    help="write one self-contained HTML page: timelines of the slowest and a typical trace "
@@ -50,8 +49,7 @@ def register(sub) -> None:
                    help="metadata on every OTLP request, e.g. 'authorization=Bearer T' (repeatable)")
     p.add_argument("--otlp-ca", metavar="PEM",
                    help="CA bundle that signed the backend's certificate (means TLS, as https:// does)")
-    p.add_argument("--trace", action="append", metavar="TRACE_ID",
-                   help="only this trace: its id or a unique prefix, any case (repeatable)")
+    add_trace(p, analysed=False)
     add_window(p)
     p.set_defaults(func=run_export)
 
@@ -143,6 +141,13 @@ def duration(text: str) -> int:
     if not 0 < value <= 100 * 365 * 86400e9:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 and at most 100 years")
     return round(value)
+
+
+def add_trace(p, analysed: bool) -> None:
+    """--trace; `analysed`: for a report of the traces (a pipeline step's needs its neighbours)."""
+    among = ("; a pipeline step is analysed among the store's other traces, then shown alone" if analysed else "")
+    p.add_argument("--trace", action="append", metavar="TRACE_ID",
+                   help=f"only this trace: its id or a unique prefix, any case (repeatable){among}")
 
 
 def add_window(p) -> None:
