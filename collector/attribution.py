@@ -390,7 +390,7 @@ def attribute(table: SpanTable, alignment: Alignment, matches: Matches,
     if len(table) <= batch_spans:
         dag = stitch(table, alignment, matches)
         return attribute_paths(table, alignment, matches, dag, critical_path.find(dag))
-    parts = batches.split(table, alignment, matches, batch_spans)
+    parts = batches.split(table, alignment, matches, batch_spans, together=pipeline_traces(table))
     results = [attribute(b.table, b.alignment, b.matches, max(batch_spans, len(b.table))) for b in parts]
     return _merge(table, matches, parts, results)
 

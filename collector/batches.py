@@ -6,7 +6,8 @@ gathers work on arrays near the CPU cache's size, so their cost per span stays t
 however many spans there are; one pass over millions of spans at once slows down per
 span as its arrays outgrow the cache. A batch's results use its own rows, events, traces
 and joins; `Merge` maps them back to the table's, and the results are one Attribution
-exactly as one pass would give it (tests/test_analysis_batches.py).
+exactly as one pass would give it (tests/test_analysis_batches.py). Pipeline steps are not
+independent (a rank's window in a step ends where its next step begins): they share a batch.
 """
 import dataclasses
 
@@ -31,14 +32,19 @@ class Batch:
     matches: Matches
 
 
-def split(table: SpanTable, alignment: Alignment, matches: Matches, spans: int = SPANS_PER_BATCH) -> list[Batch]:
-    """Batches of consecutive traces of about `spans` spans each (a larger trace is one batch)."""
+def split(table: SpanTable, alignment: Alignment, matches: Matches, spans: int = SPANS_PER_BATCH,
+          together: np.ndarray | None = None) -> list[Batch]:
+    """Batches of consecutive traces of about `spans` spans each (a larger trace is one
+    batch). The traces `together` (indices) fall in one batch with those between them:
+    pipeline steps, whose ranks' windows end where their neighbouring steps begin."""
     order = np.argsort(table.trace, kind="stable")
     n_traces = len(table.trace_ids)
     counts = np.bincount(table.trace, minlength=n_traces)
     ends = np.cumsum(counts)
     # Cut after the trace whose end first reaches each multiple of `spans`.
     cuts = np.unique(np.searchsorted(ends, np.arange(spans, len(table), spans), side="left") + 1)
+    if together is not None and len(together):
+        cuts = cuts[(cuts <= together.min()) | (cuts > together.max())]
     trace_bounds = np.unique(np.r_[0, cuts[cuts < n_traces], n_traces])
     row_bounds = np.r_[0, ends][trace_bounds]
     batch_of_row = np.empty(len(table), dtype=np.int64)

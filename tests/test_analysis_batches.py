@@ -1,6 +1,7 @@
 """Analysis in batches of traces gives exactly the result of one pass over the table: on a
 table of many hand-built traces (stragglers, pipelines, RPCs, missing partners, a
-collective split across traces), its rows shuffled, cut into batches of every size."""
+collective split across traces, neighbouring pipeline steps), its rows shuffled, cut into
+batches of every size."""
 import random
 
 import numpy as np
@@ -27,6 +28,16 @@ def many_traces():
 
     add(*straggler_step(), trace=1)
     add(*gpipe(), trace=2)
+    # The next pipeline step, on stage0 where the first ends (10 ms), on stage1 as soon as its
+    # own part of the first is done: each rank's window in a step ends where its next begins,
+    # which a batch without the neighbouring step did not see (stage1's window 9.5 ms in one
+    # pass, 10 ms in batches).
+    step, _ = gpipe()
+    for span in step:
+        span["start"], span["end"] = span["start"] + 10, span["end"] + 10
+        if span["parent"] == 0 and span["node"] == "stage1":
+            span["start"] = 9.5
+    add(step, {}, trace=6)
     s = Spans(trace=3)
     root = s.add("request", Kind.INTERNAL, 0, 50, "edge")
     s.add("call", Kind.RPC_CLIENT, 5, 45, "edge", root)
