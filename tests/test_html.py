@@ -162,6 +162,12 @@ def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
     s.add("infer-a", Kind.COMPUTE, 10, 40, "server", a)
     b = s.add("request-b", Kind.RPC_SERVER, 6, 65, "server", call_b, thread=2)
     s.add("infer-b", Kind.COMPUTE, 20, 60, "server", b, thread=2)
+    # A child that says an earlier start than its parent's (OpenTelemetry lets it: a span
+    # dated back to when its work was queued), and one that starts with it and ends later:
+    # placed by start alone, each was drawn above its parent.
+    c = s.add("request-c", Kind.RPC_SERVER, 72, 80, "server", thread=3)
+    s.add("queued-c", Kind.INTERNAL, 68, 76, "server", c, thread=3)
+    s.add("tail-c", Kind.INTERNAL, 72, 84, "server", c, thread=3)
     root = s.add("batch", Kind.INTERNAL, 0, 80, "client", thread=3)
     for span in s.spans:
         if span["id"] in (call_a, call_b):
@@ -179,7 +185,8 @@ def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
         for other, (u0, u1, v) in spans.items():
             if one != other and y == v:
                 assert x1 <= u0 + 0.01 or u1 <= x0 + 0.01, (one, other)
-    for child, parent in (("infer-a", "request-a"), ("infer-b", "request-b"), ("call-a", "batch"), ("call-b", "batch")):
+    for child, parent in (("infer-a", "request-a"), ("infer-b", "request-b"), ("call-a", "batch"), ("call-b", "batch"),
+                          ("queued-c", "request-c"), ("tail-c", "request-c")):
         assert spans[child][2] > spans[parent][2], (child, parent)
     heights = dict(browser.execute_script("""
         return [...document.querySelector('svg.timeline').querySelectorAll('g.lane')].map(

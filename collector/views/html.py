@@ -77,28 +77,36 @@ def _bar(values: dict, total: float, width: float, height: int = 14) -> str:
 
 
 def _rows(rows: np.ndarray, node: np.ndarray, parent: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Each span's row in its node's lane: below its parent there, and clear of the spans
-    already drawn in that row, so concurrent spans of one node (requests on several threads,
-    asyncio tasks) each get a row (by nesting depth alone they were drawn over each other).
-    Spans go in order of start, longest first, parents before children that start with
-    them; a lane has MAX_ROWS rows at most, the last one taking what is deeper."""
-    depth = np.zeros(len(rows), dtype=np.int64)   # nesting on the node: the tie-break of equal spans
-    up = parent[rows]
-    while (up >= 0).any():
-        same_node = (up >= 0) & (node[np.maximum(up, 0)] == node[rows])
-        depth += same_node
-        up = np.where(same_node, parent[np.maximum(up, 0)], -1)
-    row_of: dict[int, int] = {}
+    """Each span's row in its node's lane (`rows`: a trace's spans, in table order): below
+    its parent there, and clear of the spans already in that row, so concurrent spans of one
+    node (requests on several threads, asyncio tasks) each get a row (by nesting depth alone
+    they were drawn over each other). Parents are placed before their children (a child may
+    start first: OpenTelemetry lets a span say its start), then by start, longest first. A
+    lane has MAX_ROWS rows: what does not fit above shares the last."""
+    n = len(rows)
+    at = np.searchsorted(rows, parent[rows])   # the parent's position in `rows`, where it is one
+    up = np.where((parent[rows] >= 0) & (at < n) & (rows[np.minimum(at, n - 1)] == parent[rows]), at, -1) if n else at
+    up = np.where((up >= 0) & (node[rows][np.maximum(up, 0)] == node[rows]), up, -1)   # on the same node
+    depth, first, above = np.zeros(n, dtype=np.int64), start[rows].copy(), up.copy()
+    while (above >= 0).any():   # depth on the node, and the latest start of a span and those above it
+        on = above >= 0
+        depth += on
+        first[on] = np.maximum(first[on], start[rows][above[on]])
+        above = np.where(on, up[np.maximum(above, 0)], -1)
+    row_of = [0] * n
     busy_until: dict[int, list[int]] = {}   # node -> the end of the last span in each row
-    for i in np.lexsort((depth, -end[rows], start[rows])).tolist():
-        r, p, k = int(rows[i]), int(parent[rows[i]]), int(node[rows[i]])
-        row = row_of[p] + 1 if p in row_of and node[p] == k else 0
-        ends = busy_until.setdefault(k, [])
-        while row < len(ends) and ends[row] > start[r]:
+    starts, ends, lanes, ups = start[rows].tolist(), end[rows].tolist(), node[rows].tolist(), up.tolist()
+    for i in np.lexsort((-end[rows], depth, first)).tolist():
+        row = min(row_of[ups[i]] + 1, MAX_ROWS - 1) if ups[i] >= 0 else 0
+        busy = busy_until.setdefault(lanes[i], [])
+        while row < min(len(busy), MAX_ROWS - 1) and busy[row] > starts[i]:
             row += 1
-        ends[row:row + 1] = [int(end[r])]
-        row_of[r] = row
-    return np.minimum([row_of[int(r)] for r in rows], MAX_ROWS - 1).astype(np.int64)
+        if row == len(busy):
+            busy.append(ends[i])
+        else:
+            busy[row] = max(busy[row], ends[i])
+        row_of[i] = row
+    return np.array(row_of, dtype=np.int64)
 
 
 def _timeline(trace: dict, index: int, analysed, at, kinds, pieces) -> str:
