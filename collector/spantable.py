@@ -147,15 +147,33 @@ def build(segments: list[tuple[int, "pb.SpanBatch"]], resources: dict[int, "pb.R
 
 
 def load(store, trace_ids: list[str] | None = None) -> SpanTable:
-    """Spans of the whole store, or of the traces the given ids name: each a hex prefix of
-    one trace id, in any case (reports show 16 digits); one that names no trace or more than
-    one is a ValueError."""
+    """Spans of the whole store, or of the traces the given ids name (find)."""
     if trace_ids is None:
         return build(list(store.segments()), store.nodes())
-    prefixes = [_prefix(t) for t in trace_ids]
-    table = build(list(store.segments(prefixes)), store.nodes())
+    table = build(list(store.segments(prefixes(trace_ids))), store.nodes())
+    # Segments hold other traces too: keep only the named ones, renumbered, so that the
+    # table's traces are these.
+    keep = find(table, trace_ids)
     wanted = np.zeros(len(table.trace_ids), dtype=bool)
-    for text, prefix in zip(trace_ids, prefixes):
+    wanted[keep] = True
+    renumber = np.zeros(len(wanted), dtype=np.int32)
+    renumber[keep] = np.arange(len(keep), dtype=np.int32)
+    rows = wanted[table.trace]
+    return dataclasses.replace(table.take(rows), trace=renumber[table.trace[rows]],
+                               trace_ids=[table.trace_ids[i] for i in keep])
+
+
+def prefixes(trace_ids: list[str]) -> list[str]:
+    """The lowercase hex prefixes the given ids are; one that is not a trace id is a ValueError."""
+    return [_prefix(t) for t in trace_ids]
+
+
+def find(table: SpanTable, trace_ids: list[str]) -> np.ndarray:
+    """The indices of the traces the given ids name, in order: each a hex prefix of one
+    trace id, in any case (reports show 16 digits); one that names no trace or more than
+    one is a ValueError."""
+    wanted = np.zeros(len(table.trace_ids), dtype=bool)
+    for text, prefix in zip(trace_ids, prefixes(trace_ids)):
         found = [i for i, t in enumerate(table.trace_ids) if t.startswith(prefix)]
         if not found:
             raise ValueError(f"no trace id starts with {text!r}")
@@ -163,14 +181,7 @@ def load(store, trace_ids: list[str] | None = None) -> SpanTable:
             shown = ", ".join(table.trace_ids[i] for i in found[:3]) + (", ..." if len(found) > 3 else "")
             raise ValueError(f"trace id {text!r} is ambiguous: {len(found)} traces start with it ({shown})")
         wanted[found] = True
-    # Segments hold other traces too: keep only the named ones, renumbered, so that the
-    # table's traces are these.
-    keep = np.flatnonzero(wanted)
-    renumber = np.zeros(len(wanted), dtype=np.int32)
-    renumber[keep] = np.arange(len(keep), dtype=np.int32)
-    rows = wanted[table.trace]
-    return dataclasses.replace(table.take(rows), trace=renumber[table.trace[rows]],
-                               trace_ids=[table.trace_ids[i] for i in keep])
+    return np.flatnonzero(wanted)
 
 
 def _prefix(text: str) -> str:

@@ -1,4 +1,5 @@
 """The command line as users run it: demo, report (terminal and JSON), export, help."""
+import collections
 import json
 import os
 import re
@@ -301,9 +302,11 @@ def test_trace_takes_any_unique_prefix_in_any_case(three_traces):
     assert report.returncode == 0, report.stderr
     assert [t["trace_id"] for t in json.loads(report.stdout)["traces"]] == ["abce" + "0" * 12 + "3" + "0" * 15]
     shown = "abcd000000000001"   # what the terminal shows: 16 digits, here the high half of A and B
-    result = crosstrace("report", "--store", three_traces, "--trace", shown + "2")
+    result = crosstrace("report", "--store", three_traces, "--trace", shown + "2", "--json", str(three_traces) + ".json")
     assert result.returncode == 0, result.stderr
-    assert "loaded 2 spans in 1 trace from" in result.stderr
+    assert "1 trace asked for, analysed among all 3" in result.stderr
+    assert [t["trace_id"] for t in json.loads(open(str(three_traces) + ".json").read())["traces"]] == \
+        ["abcd" + "0" * 11 + "12" + "0" * 15]
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", shown), shown, "ambiguous")
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "ffff"), "'ffff'")
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "xyz"), "'xyz'")
@@ -547,26 +550,34 @@ def test_an_empty_store_says_so_on_the_page(tmp_path):
     assert "No traces in this store" in (tmp_path / "r.html").read_text()
 
 
-def test_a_pipeline_step_asked_for_reads_as_in_the_whole_report(demo, tmp_path):
+def test_traces_asked_for_read_as_in_the_whole_report(demo, tmp_path):
     """A pipeline rank's window in a step ends where its previous and next steps begin: read
     alone, every step of the demo's pipeline had other per-rank numbers than the whole
-    store's report (stage-1's bubble 79.9 against 59.5 ms in one). It is analysed among the
-    store's steps now and shown alone: its nodes' clocks, its own spans in a budget of spans
-    (not its neighbours'). An RPC trace is read alone, as before, and reads alike too."""
+    store's report (stage-1's bubble 79.9 against 59.5 ms in one). Traces asked for are
+    analysed among the store's now and shown alone, steps and an RPC trace alike: their
+    nodes' clocks, their unmatched operations, their own spans in a budget of spans (a
+    step's 8 forwards, not all steps' 72)."""
     out, _ = demo
     store = str(out / "store.db")
     whole = json.loads((out / "report.json").read_text())
     steps = [t for t in whole["traces"] if t["pipeline"]]
     rpc = [t for t in whole["traces"] if "frontend" in t["per_rank"]]
     assert len(steps) >= 2 and rpc
-    for trace in steps[:2] + rpc[:1]:
-        result = crosstrace("report", "--store", store, "--trace", trace["trace_id"], "--json", "-")
-        assert result.returncode == 0, result.stderr
-        report = json.loads(result.stdout)
-        [alone] = report["traces"]
-        for key in ("duration_ns", "per_rank", "attribution", "critical_path", "pipeline", "straggler"):
-            assert alone[key] == trace[key], (trace["name"], key)
-        assert sorted(report["clocks"]) == sorted(trace["per_rank"])
+    asked = steps[:2] + rpc[:1]
+    result = crosstrace("report", "--store", store, *(a for t in asked for a in ("--trace", t["trace_id"])),
+                        "--json", "-")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert sorted(t["trace_id"] for t in report["traces"]) == sorted(t["trace_id"] for t in asked)
+    alone = {t["trace_id"]: t for t in report["traces"]}
+    for trace in asked:
+        for key in ("start_ns", "duration_ns", "per_rank", "attribution", "critical_path", "pipeline", "straggler"):
+            assert alone[trace["trace_id"]][key] == trace[key], (trace["name"], key)
+    assert sorted(report["clocks"]) == sorted({node for t in asked for node in t["per_rank"]})
+    unmatched = collections.Counter()
+    for trace in asked:
+        unmatched.update(trace["unmatched"])
+    assert {k: v for k, v in report["unmatched"].items() if v} == dict(unmatched)
     step = steps[0]["trace_id"]
     spans = crosstrace("export", "--store", store, "--trace", step, "--jsonl", "-")
     forwards = sum(json.loads(line)["name"] == "forward" for line in spans.stdout.splitlines())

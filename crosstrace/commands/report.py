@@ -144,8 +144,10 @@ def duration(text: str) -> int:
 
 
 def add_trace(p, analysed: bool) -> None:
-    """--trace; `analysed`: for a report of the traces (a pipeline step's needs its neighbours)."""
-    among = ("; a pipeline step is analysed among the store's other traces, then shown alone" if analysed else "")
+    """--trace; `analysed`: for a report of the traces, which analyses every trace of the
+    store (or window) to give them the whole report's numbers (analyse_for_report)."""
+    among = ("; it is shown as the whole store's (or --last window's) report has it: every trace there is "
+             "analysed" if analysed else "")
     p.add_argument("--trace", action="append", metavar="TRACE_ID",
                    help=f"only this trace: its id or a unique prefix, any case (repeatable){among}")
 
