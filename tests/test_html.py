@@ -192,3 +192,17 @@ def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
         return [...document.querySelector('svg.timeline').querySelectorAll('g.lane')].map(
             g => [g.dataset.node, +g.querySelector('rect').getAttribute('height')]);"""))
     assert (heights["client"], heights["server"]) == (3 * 14 + 6, 4 * 14 + 6)   # rows of ROW px, and a margin
+
+
+def test_a_lane_of_many_concurrent_spans_keeps_its_last_row_for_the_rest(browser, tmp_path):
+    """Twelve requests at once on one node: a lane has MAX_ROWS rows, and the spans beyond
+    them share the last, rather than a lane as tall as the burst."""
+    s = Spans()
+    for k in range(12):
+        s.add(f"request-{k}", Kind.RPC_SERVER, k, 50 + k, "server", thread=k + 1)
+    open_page(browser, hand_built_page(tmp_path, s.spans, {"server": -1}))
+    rows = browser.execute_script("""
+        return [...document.querySelector('svg.timeline').querySelectorAll('rect')].filter(r => r.querySelector('title')
+                && r.getAttribute('height') === '12' && +r.getAttribute('y') > 20).map(r => +r.getAttribute('y'));""")
+    assert len(rows) == 12 and len(set(rows)) == html.MAX_ROWS
+    assert sorted(rows)[-(12 - html.MAX_ROWS + 1):] == [max(rows)] * (12 - html.MAX_ROWS + 1)
