@@ -55,9 +55,7 @@ def analyse_store(store, trace_ids: list[str] | None = None, progress=None) -> A
     models = fit_models(store)
     epoch = int(store.meta("epoch_offset_ns") or 0)
     matches = match(table)
-    alignment = align(table, models, epoch, matches)
-    shown = None if trace_ids is None else np.arange(len(table.trace_ids))
-    return Analysed(table, alignment, matches, shown)
+    return Analysed(table, align(table, models, epoch, matches), matches)
 
 
 def analyse_for_report(store, trace_ids: list[str] | None = None, progress=None) -> Analysed:
@@ -169,7 +167,7 @@ def traces_with_details(a: Analysed, at: "attribution.Attribution") -> list[dict
     """Each trace's summary with its critical path, attribution, ranks and straggler."""
     traces = trace_summaries(a)
     index = {trace_id: i for i, trace_id in enumerate(a.table.trace_ids)}
-    details = trace_details(a.table, at)
+    details = trace_details(a.table, at, a.shown)
     for trace in traces:
         trace.update(details[index[trace["trace_id"]]])
     return traces
@@ -237,26 +235,33 @@ def _keys(prefix: str, *names: str) -> tuple[str, ...]:
     return tuple(prefix + name for name in names)
 
 
-def trace_details(t: SpanTable, at: "attribution.Attribution") -> list[dict]:
+def trace_details(t: SpanTable, at: "attribution.Attribution", traces: np.ndarray | None = None) -> list:
     """Per trace index: critical_path, attribution (on the critical path), remote_ns, per_rank,
-    straggler, collectives, pipeline and unmatched, as the report shows them."""
+    straggler, collectives, pipeline and unmatched, as the report shows them; None for a
+    trace not among `traces` (indices; None: all), whose details a report of some traces,
+    which analyses them all, would build only to drop."""
     n_traces = len(t.trace_ids)
+    wanted = np.ones(n_traces, dtype=bool)
+    if traces is not None:
+        wanted[:] = False
+        wanted[traces] = True
     labels = _Labels(t)
     out = [{"critical_path": [], "attribution": _ns(at.critical[tr]),
             "remote_ns": int(at.critical[tr, attribution.REMOTE]), "per_rank": {}, "straggler": None,
-            "collectives": {}, "pipeline": at.pipelines.get(tr), "unmatched": {}} for tr in range(n_traces)]
-    _critical_paths(at, labels, out)
-    _per_rank(at, labels, out)
-    _stragglers(at, labels, out)
-    _collectives(at, out)
+            "collectives": {}, "pipeline": at.pipelines.get(tr), "unmatched": {}} if wanted[tr] else None
+           for tr in range(n_traces)]
+    _critical_paths(at, labels, out, wanted)
+    _per_rank(at, labels, out, wanted)
+    _stragglers(at, labels, out, wanted)
+    _collectives(at, out, wanted)
     for name, rows in at.dag.unmatched.items():
         counts = np.bincount(t.trace[rows], minlength=n_traces) if len(rows) else np.zeros(n_traces, np.int64)
-        for tr in np.flatnonzero(counts).tolist():
+        for tr in np.flatnonzero((counts > 0) & wanted).tolist():
             out[tr]["unmatched"][name] = int(counts[tr])
     return out
 
 
-def _critical_paths(at, labels: _Labels, out: list) -> None:
+def _critical_paths(at, labels: _Labels, out: list, wanted: np.ndarray) -> None:
     """Segments of each path, merged where consecutive ones belong to the same span and category."""
     p, dag = at.paths, at.dag
     if not len(p):
@@ -269,6 +274,8 @@ def _critical_paths(at, labels: _Labels, out: list) -> None:
     last = np.r_[first[1:], len(p)] - 1
     error = np.maximum.reduceat(p.error, first)
     src_node = np.where(p.src[first] >= 0, dag.node[np.maximum(p.src[first], 0)], node[first])
+    keep = wanted[p.trace[first]]
+    first, last, error, src_node = first[keep], last[keep], error[keep], src_node[keep]
     for f, l, e, sn in zip(first.tolist(), last.tolist(), error.tolist(), src_node.tolist()):
         start, end, n = int(p.start[f]), int(p.end[l]), int(node[f])
         duration = end - start
@@ -280,15 +287,15 @@ def _critical_paths(at, labels: _Labels, out: list) -> None:
         out[int(p.trace[f])]["critical_path"].append(segment)
 
 
-def _per_rank(at, labels: _Labels, out: list) -> None:
-    for g in range(len(at.group_trace)):
+def _per_rank(at, labels: _Labels, out: list, wanted: np.ndarray) -> None:
+    for g in np.flatnonzero(wanted[at.group_trace]).tolist():
         node = int(at.group_node[g])
         out[int(at.group_trace[g])]["per_rank"][labels.nodes[node]] = {
             "rank": labels.rank[node], "window_ns": int(at.window[g]), "pipeline": bool(at.group_pipeline[g]),
             "attribution": _ns(at.per_rank[g]), "remote_ns": int(at.per_rank[g, attribution.REMOTE])}
 
 
-def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
+def _stragglers(at, labels: _Labels, out: list, wanted: np.ndarray, top: int = 5) -> None:
     """Per trace: the straggler, the span it was busy with, the cost per node, and the worst
     single waits. The straggler is the node whose late entries made others wait longest (its
     delay cost) less the time it waited itself: in a chain (a pipeline, a ring) a rank held
@@ -304,7 +311,7 @@ def _stragglers(at, labels: _Labels, out: list, top: int = 5) -> None:
     waiting = [attribution.C[c] for c in attribution.WAITING]
     waited[at.group_trace, at.group_node] = at.per_rank[:, waiting].sum(axis=1)
     order, bounds = _by_trace(w.trace, len(out))
-    for tr in range(len(out)):
+    for tr in np.flatnonzero(wanted).tolist():
         sel = order[bounds[tr]:bounds[tr + 1]]
         if not len(sel):
             continue
@@ -372,7 +379,7 @@ def _delay_costs(dag, t, n_traces: int, n_nodes: int) -> np.ndarray:
     return out.reshape(n_traces, n_nodes)
 
 
-def _collectives(at, out: list) -> None:
+def _collectives(at, out: list, wanted: np.ndarray) -> None:
     """Per trace and op: instances, summed wait and transfer over participants, and the time
     the op's spans lie on the critical path."""
     dag, p = at.dag, at.paths
@@ -382,7 +389,7 @@ def _collectives(at, out: list) -> None:
                                                       attribution.C["collective.transfer"]])
     coll &= dag.join[np.maximum(row, 0)] >= 0
     np.add.at(on_path, dag.join[row[coll]], (p.end - p.start)[coll])
-    for j in range(len(dag.join_time)):
+    for j in np.flatnonzero(wanted[dag.join_trace]).tolist():
         op = at.ops[int(at.op_of_join[j])]
         entry = out[int(dag.join_trace[j])]["collectives"].setdefault(
             op, {"count": 0, "wait_ns": 0, "transfer_ns": 0, "critical_path_ns": 0})

@@ -154,11 +154,9 @@ def load(store, trace_ids: list[str] | None = None) -> SpanTable:
     # Segments hold other traces too: keep only the named ones, renumbered, so that the
     # table's traces are these.
     keep = find(table, trace_ids)
-    wanted = np.zeros(len(table.trace_ids), dtype=bool)
-    wanted[keep] = True
-    renumber = np.zeros(len(wanted), dtype=np.int32)
+    renumber = np.full(len(table.trace_ids), -1, dtype=np.int32)
     renumber[keep] = np.arange(len(keep), dtype=np.int32)
-    rows = wanted[table.trace]
+    rows = renumber[table.trace] >= 0
     return dataclasses.replace(table.take(rows), trace=renumber[table.trace[rows]],
                                trace_ids=[table.trace_ids[i] for i in keep])
 
@@ -169,7 +167,7 @@ def prefixes(trace_ids: list[str]) -> list[str]:
 
 
 def find(table: SpanTable, trace_ids: list[str]) -> np.ndarray:
-    """The indices of the traces the given ids name, in order: each a hex prefix of one
+    """The indices of the traces the given ids name, sorted: each a hex prefix of one
     trace id, in any case (reports show 16 digits); one that names no trace or more than
     one is a ValueError."""
     wanted = np.zeros(len(table.trace_ids), dtype=bool)

@@ -297,15 +297,15 @@ def three_traces(collector):
     return collector.store
 
 
-def test_trace_takes_any_unique_prefix_in_any_case(three_traces):
+def test_trace_takes_any_unique_prefix_in_any_case(three_traces, tmp_path):
     report = crosstrace("report", "--store", three_traces, "--trace", "ABCE", "--json", "-")
     assert report.returncode == 0, report.stderr
     assert [t["trace_id"] for t in json.loads(report.stdout)["traces"]] == ["abce" + "0" * 12 + "3" + "0" * 15]
     shown = "abcd000000000001"   # what the terminal shows: 16 digits, here the high half of A and B
-    result = crosstrace("report", "--store", three_traces, "--trace", shown + "2", "--json", str(three_traces) + ".json")
+    result = crosstrace("report", "--store", three_traces, "--trace", shown + "2", "--json", str(tmp_path / "r.json"))
     assert result.returncode == 0, result.stderr
     assert "1 trace asked for, analysed among all 3" in result.stderr
-    assert [t["trace_id"] for t in json.loads(open(str(three_traces) + ".json").read())["traces"]] == \
+    assert [t["trace_id"] for t in json.loads((tmp_path / "r.json").read_text())["traces"]] == \
         ["abcd" + "0" * 11 + "12" + "0" * 15]
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", shown), shown, "ambiguous")
     assert one_line_error(crosstrace("report", "--store", three_traces, "--trace", "ffff"), "'ffff'")
@@ -571,7 +571,8 @@ def test_traces_asked_for_read_as_in_the_whole_report(demo, tmp_path):
     assert sorted(t["trace_id"] for t in report["traces"]) == sorted(t["trace_id"] for t in asked)
     alone = {t["trace_id"]: t for t in report["traces"]}
     for trace in asked:
-        for key in ("start_ns", "duration_ns", "per_rank", "attribution", "critical_path", "pipeline", "straggler"):
+        for key in ("start_ns", "duration_ns", "per_rank", "attribution", "critical_path", "pipeline", "straggler",
+                    "collectives", "unmatched"):
             assert alone[trace["trace_id"]][key] == trace[key], (trace["name"], key)
     assert sorted(report["clocks"]) == sorted({node for t in asked for node in t["per_rank"]})
     unmatched = collections.Counter()

@@ -150,6 +150,16 @@ def test_each_kind_of_trace_gets_a_timeline(browser, tmp_path):
     assert sorted(set(faint)) == ["step"]   # the roots: their children cover them
 
 
+def drawn_spans(browser) -> list[tuple[str, float, float, float]]:
+    """(name, left x, right x, top y) of each span drawn in the first timeline's lanes (not
+    the critical path's strip above them, nor the wait/transfer parts drawn over spans)."""
+    return browser.execute_script("""
+        return [...document.querySelector('svg.timeline').querySelectorAll('rect')].filter(r => r.querySelector('title')
+                && +r.getAttribute('height') === arguments[0] && +r.getAttribute('y') > 20)
+            .map(r => [r.querySelector('title').textContent.split(' ')[0], +r.getAttribute('x'),
+                       +r.getAttribute('x') + +r.getAttribute('width'), +r.getAttribute('y')]);""", html.ROW - 2)
+
+
 def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
     """Two requests a server handles at once, on two threads, each with its own child: by
     nesting depth alone the two requests shared a row, and so did their children, drawn
@@ -173,12 +183,7 @@ def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
         if span["id"] in (call_a, call_b):
             span["parent"] = root
     open_page(browser, hand_built_page(tmp_path, s.spans, {"client": -1, "server": -1}))
-    drawn = browser.execute_script("""
-        const svg = document.querySelector('svg.timeline');
-        return [...svg.querySelectorAll('rect')].filter(r => r.querySelector('title')
-                && r.getAttribute('height') === '12' && +r.getAttribute('y') > 20)
-            .map(r => [r.querySelector('title').textContent.split(' ')[0], +r.getAttribute('x'),
-                       +r.getAttribute('x') + +r.getAttribute('width'), +r.getAttribute('y')]);""")
+    drawn = drawn_spans(browser)
     spans = {name: (x0, x1, y) for name, x0, x1, y in drawn}
     assert len(spans) == len(s.spans) == len(drawn)
     for one, (x0, x1, y) in spans.items():
@@ -191,7 +196,7 @@ def test_concurrent_spans_of_a_node_get_rows_of_their_own(browser, tmp_path):
     heights = dict(browser.execute_script("""
         return [...document.querySelector('svg.timeline').querySelectorAll('g.lane')].map(
             g => [g.dataset.node, +g.querySelector('rect').getAttribute('height')]);"""))
-    assert (heights["client"], heights["server"]) == (3 * 14 + 6, 4 * 14 + 6)   # rows of ROW px, and a margin
+    assert (heights["client"], heights["server"]) == (3 * html.ROW + 6, 4 * html.ROW + 6)   # and a margin
 
 
 def test_a_lane_of_many_concurrent_spans_keeps_its_last_row_for_the_rest(browser, tmp_path):
@@ -201,8 +206,6 @@ def test_a_lane_of_many_concurrent_spans_keeps_its_last_row_for_the_rest(browser
     for k in range(12):
         s.add(f"request-{k}", Kind.RPC_SERVER, k, 50 + k, "server", thread=k + 1)
     open_page(browser, hand_built_page(tmp_path, s.spans, {"server": -1}))
-    rows = browser.execute_script("""
-        return [...document.querySelector('svg.timeline').querySelectorAll('rect')].filter(r => r.querySelector('title')
-                && r.getAttribute('height') === '12' && +r.getAttribute('y') > 20).map(r => +r.getAttribute('y'));""")
+    rows = [y for _, _, _, y in drawn_spans(browser)]
     assert len(rows) == 12 and len(set(rows)) == html.MAX_ROWS
     assert sorted(rows)[-(12 - html.MAX_ROWS + 1):] == [max(rows)] * (12 - html.MAX_ROWS + 1)

@@ -501,14 +501,12 @@ def test_a_childs_handover_outlives_its_parent_in_the_spool(collector, tmp_path)
 
 def test_a_child_that_no_new_process_can_send_for_sends_over_a_channel_of_its_own(collector):
     """The last resort of a child whose parent's tracer is gone: no new process could run
-    (orphans.send answers None), so it opens a gRPC channel in the child. That works only
+    (here its interpreter is gone), so it opens a gRPC channel in the child. That works only
     while gRPC restarts its threads in a forked child, as grpcio does by default since 1.74:
     with GRPC_ENABLE_FORK_SUPPORT=0 (tried against a child's crash in CI) this child died
     of SIGSEGV or SIGABRT in each of 3 runs."""
     out = run_python("""
-        import os, time, crosstrace
-        from crosstrace.tracer import orphans
-        orphans.send = lambda *args, **kwargs: None   # no new process can run
+        import os, sys, time, crosstrace
         p = crosstrace.init()
         tracer = p.get_tracer("t")
         with tracer.start_as_current_span("parent"):
@@ -517,6 +515,7 @@ def test_a_child_that_no_new_process_can_send_for_sends_over_a_channel_of_its_ow
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            sys.executable = "/nonexistent/python"   # no new process can run (orphans.py)
             os.read(r, 1)   # the parent's tracer has shut down
             for i in range(20):
                 with tracer.start_as_current_span("child"):
